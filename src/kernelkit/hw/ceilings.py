@@ -1,0 +1,214 @@
+"""Measured ceilings of the present GPU, cached per device fingerprint.
+
+The datasheet is a promise; the roofline kernelkit draws uses what the card actually does:
+copy bandwidth (bytes read + written by a large device-to-device copy), the matrix peak per dtype
+through the vendor library, and the launch floor (the time of the smallest kernel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .specs import GPUSpec, lookup, names
+
+# One step of the measurement: (label, fraction done) for a progress bar.
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Ceilings:
+    gpu: str
+    fingerprint: dict
+    copy_gbps: float  # bytes read + written per second, GB/s
+    tflops: dict[str, float | None]  # matrix peak per dtype key of specs.DTYPES
+    launch_us: float  # median time of the smallest kernel
+    l2_bytes: int = 0
+    sms: int = 0
+    details: dict = field(default_factory=dict)
+
+    def ridge_point(self, dtype: str) -> float | None:
+        peak = self.tflops.get(dtype)
+        return None if peak is None else peak * 1e12 / (self.copy_gbps * 1e9)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Ceilings":
+        return cls(**d)
+
+    @classmethod
+    def from_spec(cls, spec: GPUSpec) -> "Ceilings":
+        """Datasheet figures in the shape of measured ones: what `--gpu NAME` predicts with."""
+        return cls(gpu=spec.name, fingerprint={"gpu": spec.name, "source": "datasheet"},
+                   copy_gbps=spec.mem_gbps, tflops=dict(spec.tflops), launch_us=4.0,
+                   l2_bytes=int(spec.l2_mb * 1e6), sms=spec.sms)
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import ctypes
+
+        v = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        return f"cuda-driver-api-{v.value}"
+    except OSError:
+        return "unknown"
+
+
+def device_fingerprint(device: int | None = None) -> dict:
+    """What the measured ceilings depend on: a change in any of these re-measures."""
+    import torch
+    import triton
+
+    idx = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(idx)
+    return {
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "driver": _driver_version(),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KERNELKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kernelkit")
+    return Path(root)
+
+
+def _cache_path(fp: dict) -> Path:
+    key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "ceilings" / f"{key}.json"
+
+
+def _median_ms(fn, rep_ms: int = 200) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflops(dtype_key: str, sizes=(4096, 8192)) -> float | None:
+    """Best of a few square products through the vendor library (cuBLAS via torch)."""
+    import torch
+
+    cap = torch.cuda.get_device_capability()
+    best = 0.0
+    for n in sizes:
+        if dtype_key == "fp8":
+            if cap < (8, 9) or not hasattr(torch, "float8_e4m3fn"):
+                return None
+            a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+            b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major B
+            one = torch.ones((), device="cuda")
+
+            def fn():
+                return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        else:
+            dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
+                  "fp32": torch.float32}[dtype_key]
+            if dtype_key == "fp32":
+                n = min(n, 4096)  # plain fp32 is slow; 4096 already fills the chip
+            a = torch.randn(n, n, device="cuda", dtype=dt)
+            b = torch.randn(n, n, device="cuda", dtype=dt)
+
+            def fn():
+                return a @ b
+
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+        try:
+            ms = _median_ms(fn, rep_ms=300)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        best = max(best, 2 * n**3 / (ms * 1e-3) / 1e12)
+        del a, b
+    torch.cuda.empty_cache()
+    return best
+
+
+def measure_launch_us() -> float:
+    """The floor under any op: the median time of a one-element kernel."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    return _median_ms(lambda: x.add_(1.0), rep_ms=100) * 1e3
+
+
+def measure_ceilings(force: bool = False, progress: Progress | None = None) -> Ceilings:
+    """Measure (or load from cache) the present GPU's ceilings.
+
+    The cache key is the device fingerprint (GPU, driver, CUDA, torch, Triton), so an upgrade of
+    any of them measures again. `force=True` ignores the cache.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU is visible: measure_ceilings() needs one "
+                           "(use Ceilings.from_spec(lookup(name)) to plan from a datasheet)")
+    fp = device_fingerprint()
+    path = _cache_path(fp)
+    if path.exists() and not force:
+        return Ceilings.from_json(json.loads(path.read_text()))
+
+    step = progress or (lambda label: None)
+    step("copy bandwidth")
+    copy = measure_copy_gbps()
+    tflops: dict[str, float | None] = {}
+    for key in ("bf16", "fp16", "fp8", "tf32", "fp32"):
+        step(f"{key} matrix peak")
+        tflops[key] = measure_matmul_tflops(key)
+    step("launch floor")
+    launch = measure_launch_us()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    ceil = Ceilings(gpu=props.name, fingerprint=fp, copy_gbps=copy, tflops=tflops, launch_us=launch,
+                    l2_bytes=int(getattr(props, "L2_cache_size", 0)), sms=props.multi_processor_count)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ceil.to_json(), indent=1))
+    return ceil
+
+
+def ceilings_for(gpu: str | None = None) -> tuple[Ceilings, bool]:
+    """The ceilings to judge against: measured on the present GPU, or a named datasheet.
+
+    Returns (ceilings, measured). With a GPU present and no name, measures (cached).
+    """
+    if gpu is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return measure_ceilings(), True
+        gpu = "h100"
+    spec = lookup(gpu)
+    if spec is None:
+        raise ValueError(f"gpu={gpu!r} is not in the datasheet table; known: {', '.join(names())}")
+    return Ceilings.from_spec(spec), False

@@ -1,0 +1,5 @@
+"""Drop-in `nn.Module`s backed by kernelkit ops (same constructors and state_dicts as torch's)."""
+
+from .ops.rms_norm import RMSNorm
+
+__all__ = ["RMSNorm"]

@@ -1,0 +1,1 @@
+"""The kernel zoo: one module per op family, each registering itself in `registry`."""

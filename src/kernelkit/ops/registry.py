@@ -1,0 +1,94 @@
+"""The op registry: what kernelkit can run, how to check it, how to time it, and what it replaces.
+
+Each op module calls `register(OpSpec(...))` at import. The profiler's recommendations, the patcher,
+`kernelkit check` and `kernelkit bench` read this table, so adding an op never means editing them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..roofline.model import Cost
+
+# make_inputs(shape, dtype, device, generator) -> (args, kwargs): fresh random inputs for one call.
+MakeInputs = Callable[..., tuple[tuple, dict]]
+
+
+@dataclass
+class OpSpec:
+    name: str
+    fn: Callable  # the kernelkit implementation: fn(*args, **kwargs)
+    reference: Callable  # plain PyTorch definition with the same signature; also the "eager" row
+    cost: Callable[..., Cost]  # cost(*args, backward=False, **kwargs) -> Cost
+    make_inputs: MakeInputs
+    grad_args: tuple[int, ...] = ()  # positions in args whose gradients are checked and timed
+    test_shapes: list[tuple] = field(default_factory=list)  # small shapes for the interpreter
+    bench_shapes: list[tuple] = field(default_factory=list)  # LLM shapes for the GPU suite
+    latency_shapes: list[tuple] = field(default_factory=list)  # decode sizes, timed with CUDA graphs
+    dtypes: tuple = ("float32", "bfloat16", "float16")
+    # name -> loader returning a callable with fn's signature, or None when it is not installed
+    competitors: dict[str, Callable[[], Callable | None]] = field(default_factory=dict)
+    replaces: tuple[str, ...] = ()  # aten ops ("aten::rms_norm") and module classes ("LlamaRMSNorm")
+    deterministic: bool = True  # run-twice check demands bitwise-equal results
+    # Reference outputs with reduced precision need per-dtype tolerance overrides.
+    tolerances: dict[str, float] = field(default_factory=dict)
+    # What the "eager" and "torch.compile" rows of a benchmark run (reference when None), which of
+    # those generic rows to include, and the row speedups are quoted against.
+    eager: Callable | None = None
+    generic_rows: tuple[str, ...] = ("eager", "torch.compile")
+    baseline: str = "torch.compile"
+    doc: str = ""
+
+
+_REGISTRY: dict[str, OpSpec] = {}
+_loaded = False
+
+
+def register(spec: OpSpec) -> OpSpec:
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from .. import ops as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name != "registry" and not mod.name.startswith("_"):
+            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    _loaded = True
+
+
+def get(name: str) -> OpSpec:
+    _load_all()
+    if name not in _REGISTRY:
+        raise KeyError(f"no op named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def all_ops() -> dict[str, OpSpec]:
+    _load_all()
+    return dict(_REGISTRY)
+
+
+def replacing(target: str) -> list[OpSpec]:
+    """Ops that can replace an aten op or module class name (as the profiler sees it)."""
+    _load_all()
+    return [s for s in _REGISTRY.values() if target in s.replaces]
+
+
+def optional_import(module: str, attr: str) -> Callable[[], Any]:
+    """Loader for a competitor that may not be installed (Liger-Kernel, say)."""
+
+    def load():
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            return None
+
+    return load

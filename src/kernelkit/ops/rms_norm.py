@@ -1,0 +1,348 @@
+"""RMSNorm: y = x / sqrt(mean(x²) + eps) * (offset + w), forward and backward.
+
+Memory-bound: the floor is one read of x and one write of y (forward), one read of x and dy and one
+write of dx (backward). Rows that fit in one block are normalized in registers, several rows per
+program for short rows; longer rows take a looped kernel that makes two passes over the row.
+The backward is persistent: each program walks a strided set of rows and keeps its share of dw in
+registers, so dw costs one (programs × N) fp32 partial, summed in a second stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..roofline.model import Cost, dtype_key
+from ..testing.poison import empty, empty_like
+from ..tune import autotune, num_sms
+from . import _validate
+from .registry import OpSpec, optional_import, register
+
+# Longest row held in registers by one program; longer rows take the looped kernels.
+MAX_FUSED_N = 32768
+# Chunk of a long row processed per loop step.
+LOOP_BLOCK_N = 4096
+
+
+def _fwd_configs():
+    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16, 32)]
+
+
+def _prune_fwd(configs, named_args, **kw):
+    block_n = kw.get("BLOCK_N", named_args.get("BLOCK_N"))
+    # Keep each program's tile between 1K and 16K elements and the warps proportional to it.
+    keep = [c for c in configs
+            if 1024 <= c.kwargs["ROWS"] * block_n <= 16384 or (c.kwargs["ROWS"] == 1 and block_n > 16384)
+            or (c.kwargs["ROWS"] == 16 and block_n * 16 < 1024)]
+    keep = [c for c in keep if c.num_warps * 32 * 2 <= max(c.kwargs["ROWS"] * block_n, 256) or c.num_warps == 4]
+    return keep or configs[:1]
+
+
+@autotune(_fwd_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit
+def rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, offset,
+                        HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        y = y * w[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def rms_norm_fwd_looped_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, offset,
+                               HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = X + row * stride_x, Y + row * stride_y
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    # Second pass re-reads the row; one row is small enough to be served mostly from L2.
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = x * rstd
+        if HAS_WEIGHT:
+            y = y * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+    tl.store(RSTD + row, rstd)
+
+
+def _bwd_configs():
+    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+
+
+def _prune_bwd(configs, named_args, **kw):
+    block_n = kw.get("BLOCK_N", named_args.get("BLOCK_N"))
+    keep = [c for c in configs if c.kwargs["ROWS"] * block_n <= 16384 or c.kwargs["ROWS"] == 1]
+    keep = [c for c in keep if c.num_warps * 32 * 2 <= max(c.kwargs["ROWS"] * block_n, 256) or c.num_warps == 4]
+    return keep or configs[:1]
+
+
+@autotune(_bwd_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": _prune_bwd})
+@triton.jit
+def rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, offset,
+                        HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Persistent: program pid owns row blocks pid, pid + G, ... and keeps its dw share in registers.
+    for start in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = x * rstd[:, None]
+        wdy = dy * w[None, :] if HAS_WEIGHT else dy
+        c = tl.sum(xhat * wdy, axis=1) / N
+        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += tl.sum(dy * xhat, axis=0)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+
+
+@triton.jit
+def rms_norm_bwd_looped_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, offset,
+                               HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
+    for row in range(pid, M, tl.num_programs(0)):
+        r64 = tl.cast(row, tl.int64)
+        rstd = tl.load(RSTD + row)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m = cols < N
+            x = tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                wdy = wdy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+            acc += x * wdy
+        c = tl.sum(acc, axis=0) * rstd / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m = cols < N
+            x = tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = x * rstd
+            wdy = dy
+            if HAS_WEIGHT:
+                wdy = dy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+                # This program owns its partial row: a plain read-modify-write, no atomics.
+                part = tl.load(dw_row + cols, mask=m, other=0.0)
+                tl.store(dw_row + cols, part + dy * xhat, mask=m)
+            dx = (wdy - xhat * c) * rstd
+            tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
+
+
+def _validate_inputs(x, weight, eps):
+    _validate.tensor(x, "x", min_dim=1)
+    if weight is not None:
+        _validate.tensor(weight, "weight")
+        _validate.same_device(weight, "weight", x, "x")
+        if weight.shape != (x.shape[-1],):
+            raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0):
+    """Launch the forward. Returns (y, rstd) with rstd of shape x.shape[:-1] in fp32."""
+    _validate_inputs(x, weight, eps)
+    n = x.shape[-1]
+    y = empty_like(x)
+    rstd = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf"))
+    x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
+    m = x2.shape[0]
+    w = weight if weight is not None else x2  # dummy pointer, never read
+    if n <= MAX_FUSED_N:
+        block_n = triton.next_power_of_2(n)
+        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
+        rms_norm_fwd_kernel[grid](x2, w, y2, rstd, x2.stride(0), y2.stride(0), m, n, eps, offset,
+                                  HAS_WEIGHT=weight is not None, BLOCK_N=block_n)
+    else:
+        rms_norm_fwd_looped_kernel[(m,)](x2, w, y2, rstd, x2.stride(0), y2.stride(0), n, eps, offset,
+                                         HAS_WEIGHT=weight is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    return y, rstd
+
+
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
+                 offset: float = 0.0):
+    """Launch the backward. Returns (dx, dw); dw is empty when there is no weight."""
+    n = x.shape[-1]
+    dx = empty_like(x)
+    has_w = weight is not None
+    if x.numel() == 0:
+        dw = torch.zeros_like(weight) if has_w else x.new_empty(0)
+        return dx, dw
+    x2, dy2, dx2 = _validate.rows_2d(x, n), _validate.rows_2d(dy, n), dx.view(-1, n)
+    m = x2.shape[0]
+    rstd = rstd.reshape(-1).contiguous()
+    w = weight if has_w else x2
+    sms = num_sms(x.device)
+    if n <= MAX_FUSED_N:
+        block_n = triton.next_power_of_2(n)
+        # Enough programs to fill every SM a few times; each owns one fp32 row of the dw partial.
+        programs = min(m, sms * max(1, 16384 // block_n if block_n <= 4096 else 2))
+        partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
+        rms_norm_bwd_kernel[(programs,)](dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0), dx2.stride(0),
+                                         m, n, offset, HAS_WEIGHT=has_w, BLOCK_N=block_n)
+    else:
+        programs = min(m, sms * 2)
+        partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
+        rms_norm_bwd_looped_kernel[(programs,)](dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0),
+                                                dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
+                                                BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    dw = partial.sum(0).to(weight.dtype) if has_w else x.new_empty(0)
+    return dx, dw
+
+
+# --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
+
+@torch.library.custom_op("kernelkit::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_fwd(x, weight, eps, offset)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kernelkit::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
+                     offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_bwd(dy, x, weight, rstd, offset)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, offset):
+    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset = offset
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, ctx.offset)
+    return dx, (dw if weight is not None else None), None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+             offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x², -1) + eps) * (offset + weight)``.
+
+    x: (..., N) in float32, bfloat16 or float16, any strides; weight: (N,) or None; offset=1.0
+    gives Gemma's ``(1 + w)``. Statistics and the product are computed in fp32 and rounded once to
+    x's dtype. Differentiable in x and weight (dweight through a two-stage reduction).
+    """
+    _validate_inputs(x, weight, eps)
+    return _rms_norm_op(x, weight, float(eps), float(offset))[0]
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in for `torch.nn.RMSNorm` (same constructor and state_dict) running kernelkit's kernel.
+
+    Several trailing normalized dims are flattened into one row. Documented fallback: a CPU tensor,
+    outside the Triton interpreter, runs torch's own forward.
+    """
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None, offset: float = 0.0):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..tune import interpreting
+
+        if x.device.type != "cuda" and not interpreting():
+            w = self.weight + self.offset if self.weight is not None and self.offset else self.weight
+            return F.rms_norm(x, self.normalized_shape, w, self.eps)
+        n = math.prod(self.normalized_shape)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        w = self.weight.reshape(n) if self.weight is not None else None
+        y = rms_norm(x.reshape(*x.shape[: x.dim() - len(self.normalized_shape)], n), w, eps, self.offset)
+        return y.reshape(x.shape)
+
+
+def reference(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+              offset: float = 0.0) -> torch.Tensor:
+    """Plain PyTorch RMSNorm (the Llama eager code: fp32 statistics, one rounding at the end)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.to(xf.dtype) + offset)
+    return y.to(x.dtype)
+
+
+def cost(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6, offset: float = 0.0,
+         backward: bool = False) -> Cost:
+    """Ideal traffic: forward reads x (and w) and writes y; backward reads x, dy (and w), writes dx (and dw)."""
+    numel, esize = x.numel(), x.element_size()
+    w_bytes = weight.numel() * weight.element_size() if weight is not None else 0
+    if backward:
+        return Cost(flops=8.0 * numel, bytes=3.0 * numel * esize + 2 * w_bytes, dtype=dtype_key(x.dtype))
+    return Cost(flops=4.0 * numel, bytes=2.0 * numel * esize + w_bytes, dtype=dtype_key(x.dtype))
+
+
+def make_inputs(shape, dtype, device, generator=None):
+    x = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    w = 1.0 + 0.1 * torch.randn(shape[-1], dtype=dtype, device=device, generator=generator)
+    return (x, w), {"eps": 1e-6}
+
+
+def _torch_rms_norm(x, weight=None, eps=1e-6, offset=0.0):
+    return F.rms_norm(x, (x.shape[-1],), weight + offset if offset else weight, eps)
+
+
+def _liger_loader():
+    fn = optional_import("liger_kernel.transformers.functional", "liger_rms_norm")()
+    if fn is None:
+        return None
+    return lambda x, weight=None, eps=1e-6, offset=0.0: fn(x, weight, eps, offset, "llama", True)
+
+
+register(OpSpec(
+    name="rms_norm", fn=rms_norm, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1),
+    test_shapes=[(1, 1), (3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
+    bench_shapes=[(4096, 4096), (16384, 2048), (16384, 4096), (8192, 8192), (16384, 8192)],
+    latency_shapes=[(1, 4096)],
+    competitors={"F.rms_norm": lambda: _torch_rms_norm, "liger": _liger_loader},
+    replaces=("aten::rms_norm", "aten::_fused_rms_norm", "RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",
+              "Qwen2RMSNorm", "Qwen3RMSNorm", "GemmaRMSNorm"),
+    doc="RMSNorm forward+backward, fp32 statistics, optional weight and weight offset.",
+))

@@ -1,0 +1,173 @@
+"""Bench harness: several implementations side by side in one process, against the measured ceiling.
+
+Timing is `triton.testing.do_bench`'s median, which flushes L2 before every run. Inputs small
+enough to sit in L2 are also rotated among several copies; tiny (latency-bound) shapes are timed
+by replaying a CUDA graph, so launch gaps do not swamp the kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..hw.ceilings import Ceilings
+from ..roofline.model import Cost, place
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    mode: str  # "fwd", "bwd", "fwd+bwd"
+    impl: str
+    ms: float | None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_roof: float | None = None  # roofline floor / measured time, in %
+    speedup: float | None = None  # baseline ms / this ms
+    regime: str = ""
+    error: str = ""
+
+
+def time_ms(fn: Callable[[], Any], *, cuda_graph: bool = False, rep_ms: int = 100) -> float:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if cuda_graph:
+        import torch
+
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One callable that cycles through calls bound to different input copies."""
+    if len(calls) == 1:
+        return calls[0]
+    it = itertools.cycle(calls)
+    return lambda: next(it)()
+
+
+def rotation_count(input_bytes: int, l2_bytes: int, most: int = 8) -> int:
+    """Copies of the inputs to rotate so the set is at least twice the L2 (1 for large inputs)."""
+    if not l2_bytes or input_bytes >= 2 * l2_bytes:
+        return 1
+    return min(most, math.ceil(2 * l2_bytes / max(input_bytes, 1)))
+
+
+def compare(op: str, shape: str, dtype: str, mode: str, impls: dict[str, Callable[[], Any] | Exception],
+            cost: Cost, ceilings: Ceilings, baseline: str | None = None, cuda_graph: bool = False) -> list[Row]:
+    """Time each implementation and place it on the roofline.
+
+    `impls` maps a name to a zero-argument callable (or to the exception that kept it from being
+    built, which becomes a row with the error). The first entry is the default baseline.
+    """
+    rows = []
+    for name, call in impls.items():
+        if isinstance(call, Exception):
+            rows.append(Row(op, shape, dtype, mode, name, None, error=f"{type(call).__name__}: {call}"[:200]))
+            continue
+        try:
+            ms = time_ms(call, cuda_graph=cuda_graph)
+        except Exception as e:  # a competitor that fails on this shape gets a row, not a crash
+            rows.append(Row(op, shape, dtype, mode, name, None, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        p = place(cost, ceilings, ms)
+        rows.append(Row(op, shape, dtype, mode, name, ms, p.achieved_gbps, p.achieved_tflops, p.pct_of_roof,
+                        regime=p.regime))
+    base = baseline or next(iter(impls))
+    base_ms = next((r.ms for r in rows if r.impl == base and r.ms), None)
+    for r in rows:
+        if base_ms and r.ms:
+            r.speedup = base_ms / r.ms
+    return rows
+
+
+def env_fingerprint(ceilings: Ceilings | None = None) -> dict:
+    import torch
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if torch.cuda.is_available():
+        from ..hw.ceilings import device_fingerprint
+
+        env.update(device_fingerprint())
+    if ceilings is not None:
+        env["ceilings"] = {"copy_gbps": ceilings.copy_gbps, "tflops": ceilings.tflops,
+                           "launch_us": ceilings.launch_us}
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger_kernel")
+    except Exception:
+        pass
+    return env
+
+
+def write_json(rows: list[Row], path: str | Path, ceilings: Ceilings | None = None, **extra) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"env": env_fingerprint(ceilings), **extra, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def print_table(rows: list[Row], title: str = "", console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for col in ("shape", "mode", "impl", "ms", "GB/s", "TFLOP/s", "% roof", "speedup"):
+        table.add_column(col, justify="right" if col not in ("shape", "mode", "impl") else "left")
+    for r in rows:
+        style = "bold green" if r.impl == "kernelkit" else None
+        table.add_row(r.shape, r.mode, r.impl, _fmt(r.ms, ".4f") or r.error[:40], _fmt(r.gbps, ".0f"),
+                      _fmt(r.tflops, ".1f"), _fmt(r.pct_roof, ".1f"),
+                      (_fmt(r.speedup, ".2f") + "x") if r.speedup else "", style=style)
+    (console or Console()).print(table)
+
+
+def plot(rows: list[Row], path: str | Path, metric: str = "gbps", ceiling: float | None = None,
+         title: str = "") -> Path:
+    """Grouped bars: one group per (shape, mode), one bar per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r.shape, r.mode) for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    width = 0.8 / max(len(impls), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) + 2), 4.5))
+    for j, impl in enumerate(impls):
+        vals = []
+        for g in groups:
+            r = next((r for r in rows if (r.shape, r.mode) == g and r.impl == impl), None)
+            vals.append(getattr(r, metric) or 0 if r else 0)
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=impl)
+    if ceiling:
+        ax.axhline(ceiling, color="k", ls="--", lw=1, label="measured ceiling")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{s}\n{m}" for s, m in groups], fontsize=7)
+    ax.set_ylabel({"gbps": "GB/s (ideal bytes)", "tflops": "TFLOP/s"}.get(metric, metric))
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,167 @@
+"""Correctness harness: float64 reference, fresh random inputs, poisoned outputs, gradients, races.
+
+Every op test and `kernelkit check` go through `check`. Errors are relative norms against a float64
+reference, ‖out − ref‖ / ‖ref‖ over the positions where the reference is finite; positions where
+the reference is NaN or ±Inf must be NaN or the same ±Inf in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .poison import poisoned_outputs
+
+# Relative norm error allowed against the float64 reference, by the dtype the op computes in.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def as_dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    try:
+        return DTYPES[str(d).replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"dtype={d!r} is not one of {sorted(DTYPES)}") from None
+
+
+@dataclass
+class CheckReport:
+    errors: dict[str, float] = field(default_factory=dict)  # name -> relative error
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def raise_if_failed(self) -> None:
+        if self.failures:
+            raise AssertionError("; ".join(self.failures))
+
+
+def _flat(out) -> list[torch.Tensor | None]:
+    if isinstance(out, torch.Tensor) or out is None:
+        return [out]
+    return list(out)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    finite = torch.isfinite(e)
+    diff = (a[finite] - e[finite]).norm().item()
+    scale = e[finite].norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str, report: CheckReport) -> None:
+    if actual.shape != expected.shape:
+        report.failures.append(f"{what}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
+        return
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    nonfinite = ~torch.isfinite(e)
+    # Where the reference is finite the output must be too (this is what catches unwritten,
+    # NaN-poisoned elements); where it is NaN/Inf the output must match it.
+    bad_new = (~torch.isfinite(a) & ~nonfinite).sum().item()
+    if bad_new:
+        report.failures.append(f"{what}: {bad_new} non-finite elements where the reference is finite "
+                               f"(unwritten output or overflow)")
+    if nonfinite.any():
+        same = (torch.isnan(a) & torch.isnan(e)) | (a == e)
+        mism = (nonfinite & ~same).sum().item()
+        if mism:
+            report.failures.append(f"{what}: {mism} NaN/Inf elements differ from the reference")
+    err = rel_error(a, e)
+    report.errors[what] = err
+    if not err <= tol:
+        report.failures.append(f"{what}: relative error {err:.3g} > tolerance {tol:.3g}")
+
+
+def to_reference(x):
+    """A float64, CPU-independent copy of an input for the reference (grad-enabled if x was)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().double().requires_grad_(x.requires_grad)
+    return x
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None = None, *,
+          grad_args: Sequence[int] = (), tol: float | None = None, grad_tol: float | None = None,
+          run_twice: bool = True, generator: torch.Generator | None = None) -> CheckReport:
+    """Check one call of `fn(*args, **kwargs)` against `reference` evaluated in float64.
+
+    Outputs are allocated poisoned; gradients of `args[i]` for i in `grad_args` are compared with
+    the reference's autograd under the same random output gradient; with `run_twice`, a second
+    identical call must give bitwise-identical outputs (a differing result means a race).
+    """
+    kwargs = kwargs or {}
+    report = CheckReport()
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
+    tol = tol if tol is not None else TOLERANCES[dtype]
+    grad_tol = grad_tol if grad_tol is not None else tol
+
+    args = [a.detach().requires_grad_(i in grad_args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a for i, a in enumerate(args)]
+    ref_args = [to_reference(a) for a in args]
+    with poisoned_outputs():
+        out = _flat(fn(*args, **kwargs))
+    ref = _flat(reference(*ref_args, **kwargs))
+    if len(out) != len(ref):
+        report.failures.append(f"output count {len(out)} != reference {len(ref)}")
+        return report
+    for i, (o, r) in enumerate(zip(out, ref)):
+        if r is None:
+            continue
+        compare(o, r, tol, f"out[{i}]" if len(out) > 1 else "out", report)
+
+    if grad_args:
+        pairs = [(o, r) for o, r in zip(out, ref)
+                 if isinstance(r, torch.Tensor) and r.requires_grad and o is not None and o.requires_grad]
+        dys = [torch.randn(o.shape, dtype=o.dtype, device=o.device, generator=generator) for o, _ in pairs]
+        inputs = [args[i] for i in grad_args]
+        with poisoned_outputs():
+            grads = torch.autograd.grad([o for o, _ in pairs], inputs, dys, allow_unused=True, retain_graph=True)
+        ref_grads = torch.autograd.grad([r for _, r in pairs], [ref_args[i] for i in grad_args],
+                                        [d.double() for d in dys], allow_unused=True)
+        for i, g, rg in zip(grad_args, grads, ref_grads):
+            if rg is None:
+                continue
+            if g is None:
+                report.failures.append(f"grad of args[{i}] is None but the reference has one")
+                continue
+            compare(g, rg, grad_tol, f"grad[{i}]", report)
+
+    if run_twice:
+        again = _flat(fn(*args, **kwargs))
+        for i, (o, o2) in enumerate(zip(out, again)):
+            if isinstance(o, torch.Tensor) and not _bitwise_equal(o.detach(), o2.detach()):
+                report.failures.append(f"out[{i}] differs between two identical calls (race?)")
+    return report
+
+
+def check_spec(spec, shape, dtype, device: str = "cuda", trials: int = 2, seed: int = 0, **kw) -> CheckReport:
+    """`check` a registered op on fresh random inputs from its `make_inputs`, `trials` times."""
+    dtype = as_dtype(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    merged = CheckReport()
+    tol = spec.tolerances.get(str(dtype).replace("torch.", ""))
+    for t in range(trials):
+        args, kwargs = spec.make_inputs(shape, dtype, device, gen)
+        rep = check(spec.fn, spec.reference, args, kwargs, grad_args=spec.grad_args, tol=tol,
+                    run_twice=spec.deterministic and t == 0, generator=gen, **kw)
+        for k, v in rep.errors.items():
+            merged.errors[k] = max(v, merged.errors.get(k, 0.0))
+        merged.failures += [f"trial {t}: {f}" for f in rep.failures]
+    return merged

@@ -1,0 +1,31 @@
+"""Autotuning on top of `triton.autotune`.
+
+`autotune` is `triton.autotune` except under the Triton interpreter (`TRITON_INTERPRET=1`), where
+timing a config on the CPU means nothing and costs minutes: there only the first config runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def autotune(configs: list, key: list[str], **kwargs):
+    if interpreting():
+        configs = configs[:1]
+        kwargs.pop("prune_configs_by", None)
+    return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of `device` (a small stand-in on the CPU interpreter)."""
+    import torch
+
+    if getattr(device, "type", device) == "cuda" or str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
