@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ class OpSpec:
 
 _REGISTRY: dict[str, OpSpec] = {}
 _loaded = False
+load_errors: dict[str, str] = {}  # op module -> why it failed to import (also warned about)
 
 
 def register(spec: OpSpec) -> OpSpec:
@@ -60,7 +62,12 @@ def _load_all() -> None:
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         if mod.name != "registry" and not mod.name.startswith("_"):
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+            try:
+                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+            except Exception as e:  # one broken op must not take the others down; say so loudly
+                load_errors[mod.name] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"kernelkit op module {mod.name!r} failed to import: {load_errors[mod.name]}",
+                              stacklevel=2)
     _loaded = True
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install without network, measure the ceilings, run the GPU tests, run the
+# kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
+# (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
+#
+#   STAGES=doctor,test,sanitize,bench,profile OPS="rms_norm softmax" scripts/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/.out}
+STAGES=${STAGES:-doctor,test,sanitize,bench}
+OPS=${OPS:-all}
+RES=$OUT/results
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1 KERNELKIT_CACHE=${KERNELKIT_CACHE:-/tmp/kernelkit-cache}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+log() { echo "== $(date +%T) $*" | tee -a "$RES/steps.log"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # Liger-Kernel and friends, carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 || {
+  log "editable install failed, using PYTHONPATH=src"; export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}; }
+KK="python3 -m kernelkit.cli"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$RES/nvidia-smi.csv" 2>&1
+
+if has doctor; then
+  log doctor; $KK doctor --json "$RES/doctor.json" 2>&1 | tee "$RES/doctor.log"
+fi
+if has test; then
+  sel=()
+  if [ "$OPS" != all ]; then for op in $OPS; do sel+=("tests/test_${op}.py"); done; else sel=(tests); fi
+  log "pytest -m gpu ${sel[*]}"
+  python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+fi
+if has sanitize; then
+  for op in $([ "$OPS" = all ] && python3 -c "from kernelkit.ops import registry; print(' '.join(sorted(registry.all_ops())))" || echo $OPS); do
+    log "compute-sanitizer memcheck: $op"
+    compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $KK check "$op" --small --trials 1 \
+      >"$RES/sanitize-$op.log" 2>&1; echo "$op memcheck rc=$?" | tee -a "$RES/sanitize.txt"
+    tail -3 "$RES/sanitize-$op.log"
+  done
+fi
+if has bench; then
+  for op in $([ "$OPS" = all ] && echo all || echo $OPS); do
+    log "bench $op"; $KK bench "$op" --out "$RES/bench" ${BENCH_FLAGS:-} 2>&1 | tee -a "$RES/bench.log"
+  done
+fi
+if has profile; then
+  log "profile --example llama"; $KK profile --example llama --out "$RES/profile" 2>&1 | tee "$RES/profile.log" | tail -60
+fi
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && log "packed $OUT/results.tar.gz"

@@ -1,0 +1,153 @@
+"""kernelkit doctor | bench | check | profile"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Profile-first, roofline-guided GPU kernel work on PyTorch.")
+console = Console()
+
+
+def _fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+@app.command()
+def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and compare with) e.g. h100, a100-80gb"),
+           force: bool = typer.Option(False, help="measure again even if cached"),
+           json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures to this JSON file")):
+    """Measure this GPU's ceilings and compare them with its datasheet."""
+    import json
+
+    import torch
+
+    from .hw import DATASHEETS, lookup, measure_ceilings
+
+    measured = None
+    if torch.cuda.is_available():
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        steps = ["copy bandwidth", "bf16", "fp16", "fp8", "tf32", "fp32", "launch floor"]
+        with Progress(TextColumn("[bold]measuring[/] {task.description}"), BarColumn(), console=console,
+                      transient=True) as bar:
+            task = bar.add_task("", total=len(steps))
+            measured = measure_ceilings(force=force, progress=lambda s: bar.update(task, description=s, advance=1))
+        spec = lookup(gpu or measured.gpu)
+        console.print(f"[bold]{measured.gpu}[/]  ({measured.sms} SMs, L2 {measured.l2_bytes / 1e6:.0f} MB)  "
+                      f"driver {measured.fingerprint.get('driver')}, CUDA {measured.fingerprint.get('cuda')}, "
+                      f"torch {measured.fingerprint.get('torch')}, Triton {measured.fingerprint.get('triton')}")
+    else:
+        spec = lookup(gpu or "h100")
+        if spec is None:
+            console.print(f"[red]unknown GPU {gpu!r}[/]; known: {', '.join(DATASHEETS)}")
+            raise typer.Exit(2)
+        console.print(f"[yellow]No CUDA GPU is visible here[/]: nothing can be measured. "
+                      f"Showing the datasheet of [bold]{spec.name}[/] (pick another with --gpu).")
+
+    table = Table(title="ceilings: datasheet vs measured")
+    for col in ("ceiling", "datasheet", "measured", "% of datasheet", "ridge (FLOP/B)"):
+        table.add_column(col, justify="left" if col == "ceiling" else "right")
+    bw_ds = spec.mem_gbps if spec else None
+    bw_me = measured.copy_gbps if measured else None
+    table.add_row("memory GB/s (copy, read+write)", _fmt(bw_ds, ".0f"), _fmt(bw_me, ".0f"),
+                  _fmt(100 * bw_me / bw_ds if bw_me and bw_ds else None), "")
+    for key in ("bf16", "fp16", "fp8", "tf32", "fp32"):
+        ds = spec.tflops.get(key) if spec else None
+        me = measured.tflops.get(key) if measured else None
+        ridge = measured.ridge_point(key) if measured else (spec.ridge_point(key) if spec else None)
+        table.add_row(f"{key} TFLOP/s", _fmt(ds), _fmt(me), _fmt(100 * me / ds if me and ds else None),
+                      _fmt(ridge, ".0f"))
+    if measured:
+        table.add_row("launch floor (us)", "", _fmt(measured.launch_us, ".2f"), "", "")
+    console.print(table)
+    if json_out:
+        doc = {"datasheet": spec.__dict__ if spec else None, "measured": measured.to_json() if measured else None}
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=1, default=str))
+
+
+@app.command()
+def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm; 'all' for every op"),
+          dtype: str = typer.Option("bfloat16"),
+          modes: str = typer.Option("fwd,bwd", help="comma list of fwd, bwd, fwd+bwd"),
+          out: Path = typer.Option(Path("benchmarks/results/local"), help="folder for JSON and PNG"),
+          no_compile: bool = typer.Option(False, help="skip the torch.compile row"),
+          quick: bool = typer.Option(False, help="only the first bench shape")):
+    """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors."""
+    import torch
+
+    from .hw import measure_ceilings
+    from .ops import registry
+    from .testing.bench import plot, print_table, write_json
+    from .testing.suite import run_suite
+
+    if not torch.cuda.is_available():
+        console.print("[red]kernelkit bench needs a CUDA GPU[/] (timings on the interpreter mean nothing).")
+        raise typer.Exit(2)
+    ceilings = measure_ceilings()
+    names = sorted(registry.all_ops()) if op == "all" else [op]
+    for name in names:
+        spec = registry.get(name)
+        shapes = spec.bench_shapes[:1] if quick else None
+        rows = run_suite(spec, ceilings, shapes=shapes, dtype=dtype, modes=tuple(modes.split(",")),
+                         compile=not no_compile, latency=not quick)
+        print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
+                                f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
+        path = write_json(rows, out / f"{name}.json", ceilings, op=name, dtype=dtype)
+        big = [r for r in rows if r.mode == "fwd" or r.mode == "bwd"]
+        compute = any(r.regime == "compute" for r in rows if r.impl == "kernelkit")
+        plot(big, out / f"{name}.png", metric="tflops" if compute else "gbps",
+             ceiling=None if compute else ceilings.copy_gbps, title=f"{name} {dtype} on {ceilings.gpu}")
+        console.print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+@app.command()
+def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
+          dtype: str = typer.Option("all", help="float32, bfloat16, float16 or all"),
+          device: Optional[str] = typer.Option(None, help="cuda or cpu (cpu needs TRITON_INTERPRET=1)"),
+          trials: int = typer.Option(2),
+          small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)")):
+    """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races)."""
+    import torch
+
+    from .ops import registry
+    from .testing import check_spec
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = sorted(registry.all_ops()) if op == "all" else [op]
+    failed = 0
+    table = Table(title=f"kernelkit check on {device}")
+    for col in ("op", "dtype", "shape", "result", "worst rel. error"):
+        table.add_column(col)
+    for name in names:
+        spec = registry.get(name)
+        shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
+        dtypes = spec.dtypes if dtype == "all" else (dtype,)
+        for dt in dtypes:
+            for shape in shapes:
+                rep = check_spec(spec, shape, dt, device=device, trials=trials)
+                failed += not rep.ok
+                worst = max(rep.errors.values(), default=0.0)
+                table.add_row(name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
+                              f"{worst:.2e}")
+    console.print(table)
+    if failed:
+        raise typer.Exit(1)
+
+
+try:  # the profiler registers its own command when its package is present
+    from .profile.cli import profile_command
+
+    app.command("profile")(profile_command)
+except ImportError:  # pragma: no cover
+    pass
+
+
+if __name__ == "__main__":
+    app()
