@@ -6,6 +6,7 @@ timing a config on the CPU means nothing and costs minutes: there only the first
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -22,10 +23,15 @@ def autotune(configs: list, key: list[str], **kwargs):
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
-def num_sms(device) -> int:
-    """Streaming multiprocessors of `device` (a small stand-in on the CPU interpreter)."""
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
     import torch
 
-    if getattr(device, "type", device) == "cuda" or str(device).startswith("cuda"):
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of `device` (a small stand-in on the CPU interpreter)."""
+    if device.type == "cuda":
+        return _sms(device.index if device.index is not None else 0)
     return 4
