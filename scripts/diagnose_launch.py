@@ -87,5 +87,22 @@ def main():
         sys.stdout.flush()
 
 
+def profile_launcher():
+    import cProfile
+    import pstats
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    rn.rms_norm_fwd(x, w, 1e-6)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(500):
+        rn.rms_norm_fwd(x, w, 1e-6)
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+
+
 if __name__ == "__main__":
     main()
+    profile_launcher()

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
-from ..tune import autotune, num_sms
+from ..tune import autotune, launch, num_sms
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -207,8 +207,9 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
     if n <= MAX_FUSED_N:
         block_n = triton.next_power_of_2(n)
         grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
-        rms_norm_fwd_kernel[grid](x2, w, y2, rstd, x2.stride(0), y2.stride(0), m, n, eps, offset,
-                                  HAS_WEIGHT=weight is not None, BLOCK_N=block_n)
+        launch(rms_norm_fwd_kernel, grid, (n, weight is not None, x.dtype, w.dtype),
+               x2, w, y2, rstd, x2.stride(0), y2.stride(0), m, n, eps, offset,
+               HAS_WEIGHT=weight is not None, BLOCK_N=block_n)
     else:
         rms_norm_fwd_looped_kernel[(m,)](x2, w, y2, rstd, x2.stride(0), y2.stride(0), n, eps, offset,
                                          HAS_WEIGHT=weight is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
@@ -235,8 +236,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
         # each owns one fp32 row of the dw partial.
         programs = min(m, sms * (2 if block_n <= 2048 else 1))
         partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-        rms_norm_bwd_kernel[(programs,)](dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0), dx2.stride(0),
-                                         m, n, offset, HAS_WEIGHT=has_w, BLOCK_N=block_n)
+        launch(rms_norm_bwd_kernel, (programs,), (n, has_w, x.dtype, dy.dtype, w.dtype),
+               dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0), dx2.stride(0),
+               m, n, offset, HAS_WEIGHT=has_w, BLOCK_N=block_n)
     else:
         programs = min(m, sms * 2)
         partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
@@ -312,6 +314,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     gives Gemma's ``(1 + w)``. Statistics and the product are computed in fp32 and rounded once to
     x's dtype. Differentiable in x and weight (dweight through a two-stage reduction).
     """
+    # Inputs are validated once, in the launcher.
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, float(eps), float(offset))[0]
     return _RMSNormFunction.apply(x, weight, float(eps), float(offset))

@@ -23,6 +23,24 @@ def autotune(configs: list, key: list[str], **kwargs):
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
+_chosen: dict = {}
+
+
+def launch(kernel, grid, key: tuple, *args, **kwargs):
+    """Launch a `triton.autotune`d kernel, tuning on the first call for `key`.
+
+    Afterwards the chosen config goes straight to the JIT function: the autotuner's per-call
+    bookkeeping costs more CPU time than a small memory-bound kernel takes on the GPU.
+    `key` must cover what the autotuner keys on (its key args and the tensors' dtypes).
+    """
+    cfg = _chosen.get((kernel, key))
+    if cfg is None:
+        out = kernel[grid](*args, **kwargs)
+        _chosen[(kernel, key)] = kernel.best_config
+        return out
+    return kernel.fn[grid](*args, **kwargs, **cfg.all_kwargs())
+
+
 @functools.lru_cache(maxsize=None)
 def _sms(index: int) -> int:
     import torch
