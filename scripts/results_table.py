@@ -1,0 +1,43 @@
+"""Markdown tables from committed benchmark JSON: `python scripts/results_table.py benchmarks/results/h100/rms_norm.json`.
+
+One row per (shape, mode): each implementation's GB/s (or TFLOP/s for compute-bound ops), kernelkit's
+% of the measured roof, and kernelkit's speedup over each competitor."""
+
+import json
+import sys
+from collections import defaultdict
+
+
+def table(path: str) -> str:
+    doc = json.load(open(path))
+    rows = doc["rows"]
+    metric = "tflops" if any(r["regime"] == "compute" for r in rows if r["impl"] == "kernelkit") else "gbps"
+    unit = "TFLOP/s" if metric == "tflops" else "GB/s"
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    groups = defaultdict(dict)
+    for r in rows:
+        groups[(r["shape"], r["mode"])][r["impl"]] = r
+    others = [i for i in impls if i != "kernelkit"]
+    head = ["shape", "mode"] + [f"{i} {unit}" for i in impls] + ["kernelkit % roof"] + [f"vs {i}" for i in others]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (shape, mode), by in groups.items():
+        kk = by.get("kernelkit", {})
+        cells = [shape, mode]
+        for i in impls:
+            v = by.get(i, {}).get(metric)
+            cells.append(f"{v:.0f}" if v is not None and metric == "gbps" else (f"{v:.1f}" if v is not None else "—"))
+        cells.append(f"{kk['pct_roof']:.1f}" if kk.get("pct_roof") else "—")
+        for i in others:
+            a, b = kk.get("ms"), by.get(i, {}).get("ms")
+            cells.append(f"{b / a:.2f}x" if a and b else "—")
+        out.append("| " + " | ".join(cells) + " |")
+    env = doc["env"]
+    note = (f"\n{env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, Triton {env.get('triton')}"
+            f"{', Liger-Kernel ' + env['liger_kernel'] if 'liger_kernel' in env else ''}; measured copy ceiling "
+            f"{env.get('ceilings', {}).get('copy_gbps', 0):.0f} GB/s; `do_bench` median, L2 flushed; ideal bytes.")
+    return "\n".join(out) + "\n" + note
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        print(table(p))
