@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
-from ..tune import autotune, launch, num_sms
+from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -29,22 +29,7 @@ MAX_FUSED_N = 32768
 LOOP_BLOCK_N = 4096
 
 
-def _fwd_configs():
-    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16, 32)]
-
-
-def _prune_fwd(configs, named_args, **kw):
-    block_n = kw.get("BLOCK_N", named_args.get("BLOCK_N"))
-    # Keep each program's tile between 1K and 16K elements and the warps proportional to it.
-    keep = [c for c in configs
-            if 1024 <= c.kwargs["ROWS"] * block_n <= 16384 or (c.kwargs["ROWS"] == 1 and block_n > 16384)
-            or (c.kwargs["ROWS"] == 16 and block_n * 16 < 1024)]
-    # Threads must have work (>= 2 elements each) but not so much that the tile spills (<= 64).
-    keep = [c for c in keep if 2 <= c.kwargs["ROWS"] * block_n / (c.num_warps * 32) <= 64 or c.num_warps == 4]
-    return keep or configs[:1]
-
-
-@autotune(_fwd_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": _prune_fwd})
+@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": prune_row_tiles(64)})
 @triton.jit
 def rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, offset,
                         HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
@@ -85,19 +70,9 @@ def rms_norm_fwd_looped_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, offset
     tl.store(RSTD + row, rstd)
 
 
-def _bwd_configs():
-    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
-
-
-def _prune_bwd(configs, named_args, **kw):
-    block_n = kw.get("BLOCK_N", named_args.get("BLOCK_N"))
-    keep = [c for c in configs if c.kwargs["ROWS"] * block_n <= 16384 or c.kwargs["ROWS"] == 1]
-    # The backward holds x, dy and their products per element: spilling starts past ~32 per thread.
-    keep = [c for c in keep if 2 <= c.kwargs["ROWS"] * block_n / (c.num_warps * 32) <= 32]
-    return keep or [min(configs, key=lambda c: c.kwargs["ROWS"] * 1000 - c.num_warps)]
-
-
-@autotune(_bwd_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": _prune_bwd})
+# The backward holds x, dy and their products per element: spilling starts past ~32 per thread.
+@autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "HAS_WEIGHT"],
+          prune_configs_by={"early_config_prune": prune_row_tiles(32)})
 @triton.jit
 def rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, offset,
                         HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):

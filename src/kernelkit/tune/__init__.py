@@ -53,3 +53,27 @@ def num_sms(device) -> int:
     if device.type == "cuda":
         return _sms(device.index if device.index is not None else 0)
     return 4
+
+
+def row_tile_configs(rows=(1, 2, 4, 8, 16), warps=(4, 8, 16, 32)) -> list:
+    """Configs for row-wise kernels: ROWS rows of one BLOCK_N-wide row per program, `num_warps` warps."""
+    return [triton.Config({"ROWS": r}, num_warps=w) for r in rows for w in warps]
+
+
+def prune_row_tiles(max_per_thread: int, max_tile: int = 16384):
+    """An `early_config_prune` for row-wise kernels keyed on the BLOCK_N kwarg.
+
+    Keeps tiles of at most `max_tile` elements (one row if a row alone is larger), with 2 to
+    `max_per_thread` elements per thread: fewer leaves threads idle, more spills registers.
+    """
+
+    def prune(configs, named_args, **kwargs):
+        block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N"))
+        keep = [c for c in configs
+                if (c.kwargs["ROWS"] * block_n <= max_tile or c.kwargs["ROWS"] == 1)
+                and 2 <= c.kwargs["ROWS"] * block_n / (c.num_warps * 32) <= max_per_thread]
+        if not keep:  # tiny rows: the most rows per program, fewest warps
+            keep = [min(configs, key=lambda c: (-c.kwargs["ROWS"], c.num_warps))]
+        return keep
+
+    return prune
