@@ -31,13 +31,13 @@ def main():
         w = torch.randn(n, device="cuda", dtype=dt)
         xg = x.clone().requires_grad_()
         wg = w.clone().requires_grad_()
-        y, rstd = rn.rms_norm_fwd(x, w, 1e-6)
+        y, rstd, _ = rn.rms_norm_fwd(x, w, 1e-6)
         dy = torch.randn_like(x)
         out = kernelkit.rms_norm(xg, wg)
         print(f"--- {m}x{n}")
         jit0 = rn.rms_norm_fwd_kernel.fn
         bn0 = triton.next_power_of_2(n)
-        for name, fn in [("raw jit launch", lambda: jit0[(m // 2,)](x, w, y, rstd, n, n, m, n, 1e-6, 0.0, HAS_WEIGHT=True,
+        for name, fn in [("raw jit launch", lambda: jit0[(m // 2,)](x, x, y, w, y, rstd, n, n, n, n, m, n, 1e-6, 0.0, HAS_WEIGHT=True, HAS_RESIDUAL=False,
                                                                BLOCK_N=bn0, ROWS=2, num_warps=8)),
                          ("launcher fwd", lambda: rn.rms_norm_fwd(x, w, 1e-6)),
                          ("custom op fwd", lambda: rn._rms_norm_op(x, w, 1e-6, 0.0)),
@@ -52,7 +52,7 @@ def main():
         res = []
         for rows in (1, 2, 4, 8):
             for nw in (4, 8, 16, 32):
-                f = lambda: jit[(triton.cdiv(m, rows),)](x, w, y, rstd, n, n, m, n, 1e-6, 0.0, HAS_WEIGHT=True,
+                f = lambda: jit[(triton.cdiv(m, rows),)](x, x, y, w, y, rstd, n, n, n, n, m, n, 1e-6, 0.0, HAS_WEIGHT=True, HAS_RESIDUAL=False,
                                                         BLOCK_N=bn, ROWS=rows, num_warps=nw)
                 try:
                     res.append((do_bench(f, return_mode="median") * 1e3, rows, nw))
@@ -71,7 +71,7 @@ def main():
             part = torch.empty(programs, n, device="cuda", dtype=torch.float32)
             for rows in (1, 2, 4):
                 for nw in (4, 8, 16):
-                    f = lambda: jb[(programs,)](dy, x, w, rstd, dx, part, n, n, n, m, n, 0.0, HAS_WEIGHT=True,
+                    f = lambda: jb[(programs,)](dy, x, w, rstd, dy, dx, part, n, n, n, n, m, n, 0.0, HAS_WEIGHT=True, HAS_DS=False,
                                                BLOCK_N=bn, ROWS=rows, num_warps=nw)
                     try:
                         res.append((do_bench(f, return_mode="median") * 1e3, per_sm, rows, nw))

@@ -29,16 +29,25 @@ MAX_FUSED_N = 32768
 LOOP_BLOCK_N = 4096
 
 
-@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": prune_row_tiles(64)})
+@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_RESIDUAL"],
+          prune_configs_by={"early_config_prune": prune_row_tiles(64)})
 @triton.jit
-def rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, offset,
-                        HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+def rms_norm_fwd_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, offset,
+                        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # Pre-norm block: s = x + residual is the next residual stream. It is rounded to its dtype
+        # before the norm sees it, exactly as the unfused code does.
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(S + rows64[:, None] * stride_s + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -49,20 +58,27 @@ def rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, offset,
 
 
 @triton.jit
-def rms_norm_fwd_looped_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, offset,
-                               HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+def rms_norm_fwd_looped_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps, offset,
+                               HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, y_row = X + row * stride_x, Y + row * stride_y
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = (x + tl.load(R + row * stride_r + cols, mask=cols < N, other=0.0).to(tl.float32))
+            s = s.to(S.dtype.element_ty)
+            tl.store(S + row * stride_s + cols, s, mask=cols < N)
+            x = s.to(tl.float32)
         acc += x * x
     rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N + eps)
-    # Second pass re-reads the row; one row is small enough to be served mostly from L2.
+    # Second pass re-reads the row (the sum, when fused with the residual add); one row is small
+    # enough to be served mostly from L2.
+    src_row = S + row * stride_s if HAS_RESIDUAL else x_row
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = tl.load(src_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         y = x * rstd
         if HAS_WEIGHT:
             y = y * (tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset)
@@ -71,11 +87,11 @@ def rms_norm_fwd_looped_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, offset
 
 
 # The backward holds x, dy and their products per element: spilling starts past ~32 per thread.
-@autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "HAS_WEIGHT"],
+@autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "HAS_WEIGHT", "HAS_DS"],
           prune_configs_by={"early_config_prune": prune_row_tiles(32)})
 @triton.jit
-def rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, offset,
-                        HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+def rms_norm_bwd_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N, offset,
+                        HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -95,6 +111,8 @@ def rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, str
         wdy = dy * w[None, :] if HAS_WEIGHT else dy
         c = tl.sum(xhat * wdy, axis=1) / N
         dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DS:  # gradient arriving along the residual stream of a fused add + norm
+            dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw += tl.sum(dy * xhat, axis=0)
@@ -103,8 +121,8 @@ def rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, str
 
 
 @triton.jit
-def rms_norm_bwd_looped_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, offset,
-                               HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+def rms_norm_bwd_looped_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N,
+                               offset, HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     dw_row = DW_PARTIAL + pid.to(tl.int64) * N
     for row in range(pid, M, tl.num_programs(0)):
@@ -133,6 +151,8 @@ def rms_norm_bwd_looped_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride
                 part = tl.load(dw_row + cols, mask=m, other=0.0)
                 tl.store(dw_row + cols, part + dy * xhat, mask=m)
             dx = (wdy - xhat * c) * rstd
+            if HAS_DS:
+                dx += tl.load(DS + r64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
 
 
@@ -168,32 +188,45 @@ def _validate_inputs(x, weight, eps):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0):
-    """Launch the forward. Returns (y, rstd) with rstd of shape x.shape[:-1] in fp32."""
+def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0,
+                 residual: Optional[torch.Tensor] = None):
+    """Launch the forward. Returns (y, rstd, summed): rstd of shape x.shape[:-1] in fp32, and
+    summed = x + residual (None without a residual), normalized in the same pass."""
     _validate_inputs(x, weight, eps)
+    has_r = residual is not None
+    if has_r:
+        _validate.tensor(residual, "residual")
+        _validate.same_device(residual, "residual", x, "x")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual must match x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
     n = x.shape[-1]
     y = empty_like(x)
+    summed = empty_like(x) if has_r else None
     rstd = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if x.numel() == 0:
-        return y, rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf"))
+        return y, rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf")), summed
     x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
+    r2, s2 = (_validate.rows_2d(residual, n), summed.view(-1, n)) if has_r else (x2, y2)  # dummies unread
     m = x2.shape[0]
     w = weight if weight is not None else x2  # dummy pointer, never read
+    args = (x2, r2, s2, w, y2, rstd, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0))
     if n <= MAX_FUSED_N:
-        block_n = triton.next_power_of_2(n)
         grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
-        launch(rms_norm_fwd_kernel, grid, (n, weight is not None, x.dtype, w.dtype),
-               x2, w, y2, rstd, x2.stride(0), y2.stride(0), m, n, eps, offset,
-               HAS_WEIGHT=weight is not None, BLOCK_N=block_n)
+        launch(rms_norm_fwd_kernel, grid, (n, weight is not None, has_r, x.dtype, w.dtype), *args, m, n, eps,
+               offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r, BLOCK_N=triton.next_power_of_2(n))
     else:
-        rms_norm_fwd_looped_kernel[(m,)](x2, w, y2, rstd, x2.stride(0), y2.stride(0), n, eps, offset,
-                                         HAS_WEIGHT=weight is not None, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
-    return y, rstd
+        rms_norm_fwd_looped_kernel[(m,)](*args, n, eps, offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r,
+                                         BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    return y, rstd, summed
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
-                 offset: float = 0.0):
-    """Launch the backward. Returns (dx, dw); dw is empty when there is no weight."""
+                 offset: float = 0.0, dsummed: Optional[torch.Tensor] = None):
+    """Launch the backward. Returns (dx, dw); dw is empty when there is no weight.
+
+    With `dsummed` (the gradient of x + residual from the residual stream), dx includes it: then
+    dx is the gradient of both x and the residual of the fused add."""
     n = x.shape[-1]
     dx = empty_like(x)
     has_w = weight is not None
@@ -201,6 +234,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
         dw = torch.zeros_like(weight) if has_w else x.new_empty(0)
         return dx, dw
     x2, dy2, dx2 = _validate.rows_2d(x, n), _validate.rows_2d(dy, n), dx.view(-1, n)
+    has_ds = dsummed is not None
+    ds2 = _validate.rows_2d(dsummed, n) if has_ds else dy2
     m = x2.shape[0]
     rstd = rstd.reshape(-1).contiguous()
     w = weight if has_w else x2
@@ -211,15 +246,15 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
         # each owns one fp32 row of the dw partial.
         programs = min(m, sms * (2 if block_n <= 2048 else 1))
         partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-        launch(rms_norm_bwd_kernel, (programs,), (n, has_w, x.dtype, dy.dtype, w.dtype),
-               dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0), dx2.stride(0),
-               m, n, offset, HAS_WEIGHT=has_w, BLOCK_N=block_n)
+        launch(rms_norm_bwd_kernel, (programs,), (n, has_w, has_ds, x.dtype, dy.dtype, w.dtype, ds2.dtype),
+               dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
+               m, n, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds, BLOCK_N=block_n)
     else:
         programs = min(m, sms * 2)
         partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-        rms_norm_bwd_looped_kernel[(programs,)](dy2, x2, w, rstd, dx2, partial, dy2.stride(0), x2.stride(0),
-                                                dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
-                                                BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        rms_norm_bwd_looped_kernel[(programs,)](dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0),
+                                                ds2.stride(0), dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
+                                                HAS_DS=has_ds, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     dw = _column_sum(partial, weight) if has_w else x.new_empty(0)
     return dx, dw
 
@@ -229,7 +264,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
 @torch.library.custom_op("kernelkit::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, weight, eps, offset)
+    return rms_norm_fwd(x, weight, eps, offset)[:2]
 
 
 @_rms_norm_op.register_fake
@@ -269,7 +304,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        y, rstd = rms_norm_fwd(x, weight, eps, offset)
+        y, rstd, _ = rms_norm_fwd(x, weight, eps, offset)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
         return y
@@ -293,6 +328,106 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, float(eps), float(offset))[0]
     return _RMSNormFunction.apply(x, weight, float(eps), float(offset))
+
+
+# --- fused residual add + RMSNorm (pre-norm blocks) ---
+
+@torch.library.custom_op("kernelkit::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                     offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rms_norm_fwd(x, weight, eps, offset, residual)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32), torch.empty_like(x)
+
+
+def _add_setup_context(ctx, inputs, output):
+    _x, _r, weight, _eps, offset = inputs
+    _y, rstd, summed = output
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.offset = offset
+
+
+def _add_backward(ctx, dy, _drstd, dsummed):
+    summed, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_ds_op(dy, summed, weight, rstd, ctx.offset, dsummed)
+    return dx, dx, (dw if weight is not None else None), None, None
+
+
+@torch.library.custom_op("kernelkit::rms_norm_bwd_ds", mutates_args=())
+def _rms_norm_bwd_ds_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
+                        offset: float, dsummed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_bwd(dy, x, weight, rstd, offset, dsummed)
+
+
+@_rms_norm_bwd_ds_op.register_fake
+def _(dy, x, weight, rstd, offset, dsummed):
+    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+
+
+_add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset):
+        y, rstd, summed = rms_norm_fwd(x, weight, eps, offset, residual)
+        ctx.save_for_backward(summed, weight, rstd)
+        ctx.offset = offset
+        return y, summed
+
+    @staticmethod
+    def backward(ctx, dy, dsummed):
+        summed, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy, summed, weight, rstd, ctx.offset, dsummed)
+        return dx, dx, (dw if weight is not None else None), None, None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                 eps: float = 1e-6, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused pre-norm step: ``summed = x + residual``; ``normed = rms_norm(summed, weight, eps, offset)``.
+
+    x, residual: (..., N) of one dtype; returns (normed, summed), both x's dtype, in one pass that
+    reads x and residual once and writes both outputs once. The backward takes the gradients of
+    both outputs (the norm's and the residual stream's) and returns the same gradient for x and
+    residual, plus dweight.
+    """
+    if torch.compiler.is_compiling():
+        y, _, summed = _add_rms_norm_op(x, residual, weight, float(eps), float(offset))
+        return y, summed
+    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset))
+
+
+def add_reference(x, residual, weight=None, eps=1e-6, offset=0.0):
+    summed = x + residual
+    return reference(summed, weight, eps, offset), summed
+
+
+def add_cost(x, residual, weight=None, eps=1e-6, offset=0.0, backward=False) -> Cost:
+    """Forward reads x, residual (and w), writes normed and summed; backward reads summed, dnormed,
+    dsummed (and w), writes dx (shared by x and residual) and dw."""
+    numel, esize = x.numel(), x.element_size()
+    w_bytes = weight.numel() * weight.element_size() if weight is not None else 0
+    if backward:
+        return Cost(flops=9.0 * numel, bytes=4.0 * numel * esize + 2 * w_bytes, dtype=dtype_key(x.dtype))
+    return Cost(flops=5.0 * numel, bytes=4.0 * numel * esize + w_bytes, dtype=dtype_key(x.dtype))
+
+
+def add_make_inputs(shape, dtype, device, generator=None):
+    x = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    r = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    w = 1.0 + 0.1 * torch.randn(shape[-1], dtype=dtype, device=device, generator=generator)
+    return (x, r, w), {"eps": 1e-6}
+
+
+def _liger_add_loader():
+    fn = optional_import("liger_kernel.transformers.functional", "liger_fused_add_rms_norm")()
+    if fn is None:
+        return None
+    # Liger returns (normed, summed) like ours; in_place=False keeps the inputs intact between runs.
+    return lambda x, residual, weight=None, eps=1e-6, offset=0.0: fn(x, residual, weight, eps, offset, "llama", False)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -366,4 +501,12 @@ register(OpSpec(
     replaces=("aten::rms_norm", "aten::_fused_rms_norm", "RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",
               "Qwen2RMSNorm", "Qwen3RMSNorm", "GemmaRMSNorm"),
     doc="RMSNorm forward+backward, fp32 statistics, optional weight and weight offset.",
+))
+register(OpSpec(
+    name="add_rms_norm", fn=add_rms_norm, reference=add_reference, cost=add_cost, make_inputs=add_make_inputs,
+    grad_args=(0, 1, 2), test_shapes=[(3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
+    bench_shapes=[(4096, 4096), (16384, 2048), (16384, 4096), (8192, 8192), (16384, 8192)],
+    latency_shapes=[(1, 4096)], competitors={"liger": _liger_add_loader},
+    replaces=("aten::add+aten::rms_norm",),
+    doc="Fused residual add + RMSNorm: returns (normed, summed) in one pass; backward included.",
 ))
