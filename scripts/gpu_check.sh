@@ -3,7 +3,7 @@
 # kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
 # (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile OPS="rms_norm softmax" scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 STAGES=${STAGES:-doctor,test,sanitize,bench}
@@ -28,7 +28,9 @@ if has doctor; then
 fi
 if has test; then
   sel=()
-  if [ "$OPS" != all ]; then for op in $OPS; do sel+=("tests/test_${op}.py"); done; else sel=(tests); fi
+  if [ -n "${TESTS:-}" ]; then sel=($TESTS)
+  elif [ "$OPS" != all ]; then for op in $OPS; do [ -f "tests/test_${op}.py" ] && sel+=("tests/test_${op}.py"); done
+  else sel=(tests); fi
   log "pytest -m gpu ${sel[*]}"
   python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
 fi
