@@ -21,7 +21,7 @@ from .registry import OpSpec, optional_import, register
 
 MAX_FUSED_N = 32768
 LOOP_BLOCK_N = 4096
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a kernel may read only constexpr globals
 
 
 @autotune(row_tile_configs(), key=["N", "LOG"], prune_configs_by={"early_config_prune": prune_row_tiles(64)})

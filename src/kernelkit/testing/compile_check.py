@@ -1,0 +1,126 @@
+"""Compile every kernel an op launches for a real GPU target, on a machine without a GPU.
+
+Triton's interpreter accepts code the compiler rejects (a plain Python global read inside a kernel,
+say), so interpreter tests alone can pass a kernel that never compiles. This module records the
+launches the interpreter makes (which kernel, argument types, constexpr values, warps) and then
+compiles each one for sm_90 through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin)
+in a process that is not interpreting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+_TORCH_TO_TRITON = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+                    torch.uint8: "u8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return {"ptr": _TORCH_TO_TRITON[value.dtype]}
+    if isinstance(value, bool):
+        return {"value": value}
+    if isinstance(value, int):
+        return {"value": value, "type": "i32" if -(2**31) <= value < 2**31 else "i64"}
+    if isinstance(value, float):
+        return {"value": value, "type": "fp32"}
+    if value is None:
+        return {"value": None}
+    raise TypeError(f"cannot describe kernel argument of type {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def record_launches(records: list):
+    """Under TRITON_INTERPRET=1, append a description of every kernel launch to `records`."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        fn = self.fn
+        names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+        call = dict(zip(names, args))
+        call.update({k: v for k, v in kwargs.items() if k in names})
+        records.append({"kernel": f"{fn.__module__}:{fn.__qualname__}",
+                        "args": {k: _describe(v) for k, v in call.items()},
+                        "options": {k: kwargs[k] for k in _OPTIONS if kwargs.get(k) is not None}})
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield records
+    finally:
+        InterpretedFunction.run = original
+
+
+def unique(records: list) -> list:
+    seen, out = set(), []
+    for r in records:
+        key = json.dumps(r, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _jit_function(kernel: str):
+    module, qualname = kernel.split(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    while not hasattr(obj, "params"):  # unwrap triton.autotune / heuristics layers
+        obj = obj.fn
+    return obj
+
+
+def compile_records(records: list, arch: int = 90) -> list[str]:
+    """Compile each recorded launch for `arch` in this (non-interpreting) process; return failures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+    for r in records:
+        try:
+            fn = _jit_function(r["kernel"])
+            signature, constexprs = {}, {}
+            for p in fn.params:
+                d = r["args"].get(p.name)
+                if d is None:
+                    continue
+                if p.is_constexpr:
+                    signature[p.name] = "constexpr"
+                    constexprs[p.name] = d["value"]
+                elif "ptr" in d:
+                    signature[p.name] = "*" + d["ptr"]
+                elif d["value"] is None:
+                    signature[p.name] = "constexpr"
+                    constexprs[p.name] = None
+                else:
+                    signature[p.name] = "i1" if isinstance(d["value"], bool) else d["type"]
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=r["options"])
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel
+            failures.append(f"{r['kernel']} {r['options']}: {type(e).__name__}: {str(e)[:600]}")
+    return failures
+
+
+def compile_in_subprocess(records: list, arch: int = 90, timeout: int = 900) -> list[str]:
+    """`compile_records` in a fresh Python without TRITON_INTERPRET (the kernels must be real JITFunctions)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from kernelkit.testing.compile_check import compile_records; "
+            f"print(json.dumps(compile_records(json.load(sys.stdin), {arch})))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    if out.returncode != 0:
+        return [f"compile subprocess failed: {out.stderr[-2000:]}"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
