@@ -7,6 +7,12 @@ your model on its roofline, and swaps in Triton kernels that move every byte onc
 __version__ = "0.1.0"
 
 from . import nn  # noqa: E402
-from .ops.rms_norm import rms_norm  # noqa: E402
+from .ops.cross_entropy import cross_entropy  # noqa: E402
+from .ops.glu import geglu, swiglu  # noqa: E402
+from .ops.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: E402
+from .ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
+from .ops.rope import rope  # noqa: E402
+from .ops.softmax import log_softmax, softmax  # noqa: E402
 
-__all__ = ["nn", "rms_norm", "__version__"]
+__all__ = ["nn", "rms_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy",
+           "rope", "mxfp8_quantize", "mxfp8_dequantize", "__version__"]

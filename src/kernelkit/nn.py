@@ -1,5 +1,6 @@
 """Drop-in `nn.Module`s backed by kernelkit ops (same constructors and state_dicts as torch's)."""
 
+from .ops.cross_entropy import CrossEntropyLoss
 from .ops.rms_norm import RMSNorm
 
-__all__ = ["RMSNorm"]
+__all__ = ["CrossEntropyLoss", "RMSNorm"]

@@ -20,7 +20,8 @@ import torch
 
 _TORCH_TO_TRITON = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-                    torch.uint8: "u8", torch.bool: "i1"}
+                    torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+                    torch.float8_e5m2: "fp8e5"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 

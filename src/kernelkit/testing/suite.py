@@ -29,7 +29,8 @@ def _call(impl: Callable, args, kwargs, mode: str) -> Callable[[], Any]:
     if mode == "fwd":
         return lambda: impl(*args, **kwargs)
     outs = _outputs(impl(*args, **kwargs))
-    dys = [torch.randn_like(o) for o in outs]
+    # A scalar output is a loss: its backward gets 1, exactly what `loss.backward()` passes.
+    dys = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if mode == "bwd":
         return lambda: torch.autograd.grad(outs, inputs, dys, retain_graph=True)

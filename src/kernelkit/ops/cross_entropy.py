@@ -1,0 +1,550 @@
+"""Cross-entropy over large vocabularies: online log-sum-exp in chunks, the gradient in the same pass.
+
+A row of LM logits (V = 128256 at bf16 is 256 KB) does not fit in one program's registers, so the
+forward sweeps the row in BLOCK_V chunks keeping a running max and a rescaled sum of exponentials in
+fp32 (the online softmax). With label smoothing, z-loss (z * lse² per token) and a logit softcap
+(softcap * tanh(x / softcap), applied before the softmax) fused into the same sweep.
+
+The bytes argument. Ideal traffic is one read of the logits for the forward and one read of the
+logits plus one write of dlogits for the backward: 3 N·V·esize when the two run as separate ops
+(torch.compile's fused forward and backward do exactly that, at best). With ``grad_in_forward``,
+the forward sweeps each row twice: the first sweep reads it from HBM and finds lse, the second
+re-reads it back to front, mostly from L2 (the chunks read last are re-read first), and writes
+dlogits already scaled for the reduction. The backward is then a scale by grad_output, and when
+grad_output is 1 (``loss.backward()``) a launch that reads one scalar and touches nothing else:
+forward + backward move ~2 N·V·esize. When grad_output is not 1 (loss divided by the
+accumulation steps, a GradScaler) the scale reads and writes dlogits once more, 4 N·V·esize in all,
+and ``grad_in_forward=False`` is the better choice (forward reads once, backward recomputes the
+softmax from the saved lse: 3 N·V·esize).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+
+from ..roofline.model import Cost, dtype_key
+from ..testing.poison import empty
+from ..tune import autotune, interpreting, launch, num_sms
+from . import _validate
+from .registry import OpSpec, optional_import, register
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+# Chunk of a row per loop step: 16 fp32 per thread at 16 warps, and 16 KB of bf16 in flight per chunk.
+MAX_BLOCK_V = 8192
+
+
+def _prune_warps(configs, named_args, **kwargs):
+    """Keep configs with at least 2 elements per thread in a chunk (tiny vocabularies take the fewest
+    warps); the L2 hint only matters when a second sweep follows."""
+    block = kwargs.get("BLOCK_V", named_args.get("BLOCK_V"))
+    second_sweep = kwargs.get("COMPUTE_GRAD", named_args.get("COMPUTE_GRAD", False))
+    configs = [c for c in configs if second_sweep or not c.kwargs.get("L2_HINT", False)]
+    keep = [c for c in configs if block / (32 * c.num_warps) >= 2]
+    return keep or [min(configs, key=lambda c: (c.num_warps, c.kwargs["PROGRAMS_PER_SM"]))]
+
+
+# Persistent grid of PROGRAMS_PER_SM programs per SM, each walking rows: fewer rows in flight keep
+# more of each row in L2 for the second sweep, more hide more latency. (No num_stages: Triton does
+# not pipeline these loops; sweep 1 prefetches its next chunk by hand.)
+BWD_CONFIGS = [triton.Config({"PROGRAMS_PER_SM": k}, num_warps=w) for w in (16, 8, 32) for k in (2, 1)]
+# L2_HINT: the first sweep loads with evict_last so the second finds the row in L2; measured, not assumed.
+FWD_CONFIGS = [triton.Config({**c.kwargs, "L2_HINT": h}, num_warps=c.num_warps)
+               for h in (True, False) for c in BWD_CONFIGS]
+
+
+@triton.jit
+def _softcap(x, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): one exp and a fast division, exact limits at ±inf.
+        x = softcap * (1.0 - tl.fdiv(2.0, tl.exp(2.0 * inv_softcap * x) + 1.0))
+    return x
+
+
+@triton.jit
+def _load_chunk(x_row, cols, mask, KEEP_IN_L2: tl.constexpr):
+    if KEEP_IN_L2:
+        x = tl.load(x_row + cols, mask=mask, other=float("-inf"), eviction_policy="evict_last")
+    else:
+        x = tl.load(x_row + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+    return x
+
+
+@triton.jit
+def _write_grad_row(x_row, d_row, t, valid, lse, scale, V, label_smoothing, z2, softcap, inv_softcap,
+                    HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """d_row = scale * (softmax(s) * (1 + 2 z lse) - eps / V - (1 - eps) onehot(t)) * ds/dx, zero if ignored."""
+    z_coef = scale * z2 * lse
+    smooth = scale * label_smoothing / V
+    hit = scale * (1.0 - label_smoothing)
+    n_chunks = tl.cdiv(V, BLOCK_V)
+    for i in range(0, n_chunks):
+        if REVERSE:  # back to front: the chunks the first sweep read last are still in L2
+            start = (n_chunks - 1 - i) * BLOCK_V
+        else:
+            start = i * BLOCK_V
+        cols = start + tl.arange(0, BLOCK_V)
+        in_row = cols < V
+        x = tl.load(x_row + cols, mask=in_row & valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s = _softcap(x, softcap, inv_softcap, HAS_SOFTCAP)
+        p = tl.exp(s - lse)
+        g = p * scale - smooth - tl.where(cols == t, hit, 0.0)
+        if HAS_Z:  # added after p - 1 so that a near-one-hot row keeps the small z term exact
+            g += p * z_coef
+        if HAS_SOFTCAP:
+            y = s * inv_softcap
+            g = g * (1.0 - y * y)
+        g = tl.where(valid, g, 0.0)
+        tl.store(d_row + cols, g.to(d_row.dtype.element_ty), mask=in_row, eviction_policy="evict_first")
+
+
+@autotune(FWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_Z", "COMPUTE_GRAD", "MEAN"],
+          prune_configs_by={"early_config_prune": _prune_warps})
+@triton.jit
+def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, stride_l, stride_d, N, V,
+                             ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
+                             MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                             HAS_Z: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                             PROGRAMS_PER_SM: tl.constexpr, L2_HINT: tl.constexpr):
+    scale = 1.0
+    if MEAN:
+        if COMPUTE_GRAD:
+            scale = 1.0 / tl.load(COUNT).to(tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        r64 = tl.cast(row, tl.int64)
+        t = tl.load(TARGET + r64).to(tl.int64)
+        # Ignored rows are predicated off rather than branched around: their loads are masked (no
+        # traffic), their loss and gradient are selected to zero.
+        valid = t != ignore_index
+        in_range = (t >= 0) & (t < V)
+        x_row = LOGITS + r64 * stride_l
+        m = tl.full((), float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        sum_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = _load_chunk(x_row, cols, (cols < V) & valid, COMPUTE_GRAD and L2_HINT)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = (cols < V) & valid
+            # Issue the next chunk's load before reducing this one, so HBM latency overlaps the math
+            # (past the row's end it is fully masked: no traffic).
+            x = x_next
+            x_next = _load_chunk(x_row, cols + BLOCK_V, (cols + BLOCK_V < V) & valid,
+                                 COMPUTE_GRAD and L2_HINT)
+            s = _softcap(x.to(tl.float32), softcap, inv_softcap, HAS_SOFTCAP)
+            if HAS_SOFTCAP:
+                s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            # While every logit so far is -inf (masked vocab padding), rescale against 0, not -inf - -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            acc = acc * tl.exp(m - m_ref) + tl.exp(s - m_ref)
+            m = m_new
+            if HAS_SMOOTHING:
+                sum_s += tl.where(mask, s, 0.0)
+        lse = m + tl.log(tl.sum(acc, axis=0))
+        # A class index outside [0, V) other than ignore_index gives its row a NaN loss and gradient.
+        lse = tl.where(in_range | (t == ignore_index), lse, float("nan"))
+        s_t = _softcap(tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32),
+                       softcap, inv_softcap, HAS_SOFTCAP)
+        loss = lse - (1.0 - label_smoothing) * s_t
+        if HAS_SMOOTHING:
+            loss -= label_smoothing / V * tl.sum(sum_s, axis=0)
+        if HAS_Z:
+            zl = z_loss * lse * lse
+            loss += zl
+            tl.store(ZLOSS + r64, tl.where(valid, zl, 0.0))
+        tl.store(LOSS + r64, tl.where(valid, loss, 0.0))
+        tl.store(LSE + r64, lse)
+        if COMPUTE_GRAD:
+            _write_grad_row(x_row, DLOGITS + r64 * stride_d, t.to(tl.int32), valid, lse, scale, V, label_smoothing,
+                            2.0 * z_loss, softcap, inv_softcap, HAS_SOFTCAP, HAS_Z, True, BLOCK_V)
+
+
+@autotune(BWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_Z", "MEAN"],
+          prune_configs_by={"early_config_prune": _prune_warps})
+@triton.jit
+def cross_entropy_bwd_kernel(LOGITS, TARGET, LSE, GRAD, COUNT, DLOGITS, stride_l, stride_d, stride_g, N, V,
+                             ignore_index, label_smoothing, z2, softcap, inv_softcap, MEAN: tl.constexpr,
+                             HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_V: tl.constexpr,
+                             PROGRAMS_PER_SM: tl.constexpr):
+    """The recompute backward: one read of the logits, softmax rebuilt from the saved lse."""
+    inv_count = 1.0
+    if MEAN:
+        inv_count = 1.0 / tl.load(COUNT).to(tl.float32)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        r64 = tl.cast(row, tl.int64)
+        t = tl.load(TARGET + r64).to(tl.int64)
+        scale = tl.load(GRAD + r64 * stride_g).to(tl.float32) * inv_count
+        # An out-of-range t has a NaN lse, so truncating it to int32 for the one-hot compare is harmless.
+        _write_grad_row(LOGITS + r64 * stride_l, DLOGITS + r64 * stride_d, t.to(tl.int32), t != ignore_index,
+                        tl.load(LSE + r64), scale, V, label_smoothing, z2, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_Z, False, BLOCK_V)
+
+
+@triton.jit
+def _scale_row(src, dst, f, valid, V, BLOCK_V: tl.constexpr):
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        m = cols < V
+        x = tl.load(src + cols, mask=m & valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(dst + cols, tl.where(valid, x * f, 0.0).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def cross_entropy_grad_scale_kernel(DL, OUT, GRAD, APPLIED, TARGET, stride_dl, stride_out, stride_g, stride_a,
+                                    V, ignore_index, HAS_APPLIED: tl.constexpr, IN_PLACE: tl.constexpr,
+                                    BLOCK_V: tl.constexpr):
+    """The grad_in_forward backward: dlogits *= grad_output / (the factor already applied, if any)."""
+    row = tl.program_id(0).to(tl.int64)
+    f = tl.load(GRAD + row * stride_g).to(tl.float32)
+    if HAS_APPLIED:
+        f = f / tl.load(APPLIED + row * stride_a)
+    valid = tl.load(TARGET + row) != ignore_index
+    if IN_PLACE:
+        # A factor of 1 (loss.backward()) or an ignored row (already zero) moves no bytes.
+        if valid & (f != 1.0):
+            _scale_row(DL + row * stride_dl, DL + row * stride_dl, f, valid, V, BLOCK_V)
+    else:
+        _scale_row(DL + row * stride_dl, OUT + row * stride_out, f, valid, V, BLOCK_V)
+
+
+# --- launchers ---
+
+def _block_v(v: int) -> int:
+    return min(MAX_BLOCK_V, max(16, triton.next_power_of_2(v)))
+
+
+def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction):
+    """Validate and normalize the scalar arguments; returns them as (int, float, float, float | None, str)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not (number(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not (number(z_loss) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    return ignore_index, float(label_smoothing), float(z_loss), (None if softcap is None else float(softcap)), reduction
+
+
+def _check_tensors(logits, target):
+    _validate.tensor(logits, "logits")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (N, V), got shape {tuple(logits.shape)}; flatten (B, T, V) "
+                         f"logits with logits.view(-1, V) and targets with target.view(-1)")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target has dtype {str(target.dtype).replace('torch.', '')}; supported: int64, int32 "
+                        f"(class indices; probability targets are not supported)")
+    n, v = logits.shape
+    if target.shape != (n,):
+        raise ValueError(f"target must have shape ({n},) to match logits (N, V) = {tuple(logits.shape)}, "
+                         f"got {tuple(target.shape)}")
+    _validate.same_device(target, "target", logits, "logits")
+    if v == 0 and n > 0:
+        raise ValueError("logits has V = 0 classes; cross-entropy needs at least one")
+
+
+def _check_target_values(target, v, ignore_index):
+    """Class indices in [0, V) or ignore_index. Checked only where it is free: on the GPU it would
+    cost a device sync per call, so there an out-of-range index gives its row a NaN loss instead."""
+    if target.device.type == "cpu" and target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= v))
+        if bool(bad.any()):
+            raise ValueError(f"target holds class index {int(target[bad][0])} outside [0, {v}) "
+                             f"(and not ignore_index={ignore_index})")
+
+
+def _reduce(rows: torch.Tensor, count: torch.Tensor, reduction: str, dtype) -> torch.Tensor:
+    if reduction == "none":
+        return rows.to(dtype)
+    total = rows.sum()
+    return (total / count if reduction == "mean" else total).to(dtype)
+
+
+def cross_entropy_fwd(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                      reduction="mean", grad_in_forward=False):
+    """Launch the forward. Returns (loss, z_loss, lse, dlogits): loss and z_loss in logits' dtype
+    (0-dim, or (N,) for reduction='none'), lse (N,) fp32, dlogits (N, V) when grad_in_forward else (0,)."""
+    _check_tensors(logits, target)
+    ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
+        ignore_index, label_smoothing, z_loss, softcap, reduction)
+    n, v = logits.shape
+    _check_target_values(target, v, ignore_index)
+    x = _validate.rows_2d(logits, v)
+    t = target.contiguous()
+    loss_rows = empty((n,), dtype=torch.float32, device=logits.device)
+    lse = empty((n,), dtype=torch.float32, device=logits.device)
+    z_rows = empty((n,), dtype=torch.float32, device=logits.device) if z_loss else None
+    dlogits = empty((n, v), dtype=logits.dtype, device=logits.device) if grad_in_forward else logits.new_empty(0)
+    count = (t != ignore_index).sum() if reduction == "mean" else t
+    if n:
+        block, sms = _block_v(v), num_sms(logits.device)
+        grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
+        flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
+                     HAS_Z=bool(z_loss), COMPUTE_GRAD=bool(grad_in_forward), BLOCK_V=block)
+        launch(cross_entropy_fwd_kernel, grid, (v, logits.dtype, *flags.values()),
+               x, t, count, loss_rows, z_rows if z_loss else loss_rows, lse, dlogits if grad_in_forward else x,
+               x.stride(0), v, n, v, ignore_index, label_smoothing, z_loss, softcap or 1.0,
+               1.0 / (softcap or 1.0), **flags)
+    loss = _reduce(loss_rows, count, reduction, logits.dtype)
+    zl = (_reduce(z_rows, count, reduction, logits.dtype) if z_loss
+          else torch.zeros(loss.shape, dtype=logits.dtype, device=logits.device))
+    return loss, zl, lse, dlogits
+
+
+def cross_entropy_bwd(grad, logits, target, lse, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                      softcap=None, reduction="mean"):
+    """The recompute backward: dlogits (N, V) in logits' dtype from the logits and the saved lse."""
+    n, v = logits.shape
+    x, t = _validate.rows_2d(logits, v), target.contiguous()
+    dx = empty((n, v), dtype=logits.dtype, device=logits.device)
+    if not dx.numel():
+        return dx
+    count = (t != ignore_index).sum() if reduction == "mean" else t
+    stride_g = grad.stride(0) if grad.dim() else 0
+    block, sms = _block_v(v), num_sms(logits.device)
+    grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
+    flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
+    launch(cross_entropy_bwd_kernel, grid, (v, logits.dtype, grad.dtype, *flags.values()),
+           x, t, lse, grad, count, dx, x.stride(0), v, stride_g, n, v, ignore_index, label_smoothing,
+           2.0 * z_loss, softcap or 1.0, 1.0 / (softcap or 1.0), **flags)
+    return dx
+
+
+def scale_grad(dlogits, grad, target, ignore_index=-100, applied=None, in_place=False):
+    """dlogits * grad / applied per row (grad and applied 0-dim or (N,)); ignored rows stay zero.
+    In place, rows whose factor is 1 are not touched, so ``loss.backward()`` costs one tiny launch."""
+    n, v = dlogits.shape
+    out = dlogits if in_place else empty((n, v), dtype=dlogits.dtype, device=dlogits.device)
+    if not dlogits.numel():
+        return out
+    stride = lambda a: a.stride(0) if a is not None and a.dim() else 0  # noqa: E731
+    cross_entropy_grad_scale_kernel[(n,)](
+        dlogits, out, grad, applied if applied is not None else grad, target.contiguous(), dlogits.stride(0),
+        out.stride(0), stride(grad), stride(applied), v, ignore_index, HAS_APPLIED=applied is not None,
+        IN_PLACE=in_place, BLOCK_V=_block_v(v), num_warps=8)
+    return out
+
+
+# --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
+
+@torch.library.custom_op("kernelkit::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                      z_loss: float, softcap: Optional[float], reduction: str, grad_in_forward: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                             grad_in_forward)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+    _check_tensors(logits, target)
+    _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    n, v = logits.shape
+    shape = (n,) if reduction == "none" else ()
+    return (logits.new_empty(shape), logits.new_empty(shape), logits.new_empty((n,), dtype=torch.float32),
+            logits.new_empty((n, v) if grad_in_forward else (0,)))
+
+
+@torch.library.custom_op("kernelkit::cross_entropy_bwd", mutates_args=())
+def _cross_entropy_bwd_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                          ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                          reduction: str, grad_in_forward: bool) -> torch.Tensor:
+    # With grad_in_forward, `logits` holds the saved dlogits; a functional graph cannot scale it in place.
+    if grad_in_forward:
+        return scale_grad(logits, grad, target, ignore_index)
+    return cross_entropy_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction)
+
+
+@_cross_entropy_bwd_op.register_fake
+def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(output[3] if grad_in_forward else logits, target, output[2])
+    ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward)
+
+
+def _backward(ctx, dloss, _dz, _dlse, _ddlogits):
+    saved, target, lse = ctx.saved_tensors
+    return (_cross_entropy_bwd_op(dloss, saved, target, lse, *ctx.args),) + (None,) * 7
+
+
+_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """The eager path, where the grad_in_forward backward can scale the saved dlogits in place."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+        loss, zl, lse, dlogits = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                                                   reduction, grad_in_forward)
+        ctx.mark_non_differentiable(zl)
+        ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
+        ctx.grad_in_forward, ctx.applied = grad_in_forward, None
+        ctx.save_for_backward(*((dlogits, target) if grad_in_forward else (logits, target, lse)))
+        return loss, zl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dloss, _dz):
+        ignore_index = ctx.args[0]
+        if not ctx.grad_in_forward:
+            logits, target, lse = ctx.saved_tensors
+            return (cross_entropy_bwd(dloss, logits, target, lse, *ctx.args),) + (None,) * 7
+        dlogits, target = ctx.saved_tensors
+        if ctx.applied is None:
+            # First backward: scale the saved gradient in place and hand over that buffer.
+            ctx.applied = dloss.detach().to(torch.float32, copy=True).contiguous()
+            return (scale_grad(dlogits, dloss, target, ignore_index, in_place=True),) + (None,) * 7
+        # Again through a retained graph: the buffer (and the gradient handed out before) holds
+        # dlogits * first grad_output; divide that out into a fresh buffer. Exact unless the first
+        # grad_output was 0 or non-finite, which gives NaN here.
+        return (scale_grad(dlogits, dloss, target, ignore_index, applied=ctx.applied),) + (None,) * 7
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                  reduction: str = "mean", *, return_z_loss: bool = False,
+                  grad_in_forward: Optional[bool] = None):
+    """Cross-entropy of logits (N, V) against class indices target (N,), like ``F.cross_entropy``.
+
+    logits: float32, bfloat16 or float16, any strides; target: int64 (or int32), with ``ignore_index``
+    marking tokens that get zero loss and gradient. Fused in one kernel, fp32 throughout:
+    ``softcap`` (``softcap * tanh(logits / softcap)`` before the softmax, differentiated through),
+    ``label_smoothing`` (torch's definition), and ``z_loss`` (``z_loss * lse²`` added per token).
+    reduction 'mean' averages over non-ignored tokens (NaN when there are none, like torch), 'sum'
+    adds, 'none' gives (N,). The loss is in logits' dtype. With ``return_z_loss`` returns
+    (loss, z_part), z_part the z-loss share reduced the same way, for logging (no gradient).
+    A class index outside [0, V) raises on CPU inputs; on the GPU (where checking costs a sync)
+    it gives that token a NaN loss and gradient.
+
+    ``grad_in_forward`` (default: when logits need a gradient and reduction is not 'none') writes
+    dlogits during the forward and makes the backward a scale by grad_output, free when that is 1
+    (see the module docstring for the bytes). Under torch.compile (a functional graph, where the
+    scale cannot be done in place) and for reduction='none' (grad_output is a vector) the default
+    is the recompute backward. A second backward through a retained graph is supported.
+    """
+    ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
+        ignore_index, label_smoothing, z_loss, softcap, reduction)
+    traced = torch.compiler.is_compiling() or (isinstance(logits, torch.Tensor) and is_fake(logits))
+    needs_grad = isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled()
+    if grad_in_forward is None:
+        grad_in_forward = reduction != "none" and not traced
+    args = (logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+            bool(grad_in_forward) and needs_grad)
+    loss, zl = _cross_entropy_op(*args)[:2] if traced else _CrossEntropyFunction.apply(*args)
+    return (loss, zl) if return_z_loss else loss
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """Drop-in for `torch.nn.CrossEntropyLoss` (same constructor and state_dict) with z_loss and softcap.
+
+    Runs kernelkit's kernel on (N, V) logits with class-index targets. Documented fallbacks to torch:
+    class weights, probability targets, (N, C, d...) inputs, and CPU tensors outside the interpreter.
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: Optional[float] = None):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.z_loss, self.softcap = z_loss, softcap
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None or input.dim() != 2 or target.is_floating_point():
+            if self.z_loss or self.softcap is not None:
+                raise ValueError("z_loss and softcap need (N, V) logits, class-index targets and no class weight")
+            return super().forward(input, target)
+        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                  softcap=self.softcap, reduction=self.reduction)
+        if input.device.type != "cuda" and not interpreting():
+            return reference(input, target, **kw)
+        return cross_entropy(input, target, **kw)
+
+
+def reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+              z_loss: float = 0.0, softcap: Optional[float] = None, reduction: str = "mean", *,
+              return_z_loss: bool = False, grad_in_forward: Optional[bool] = None):
+    """Plain PyTorch: F.cross_entropy on fp32 (or fp64) logits, the way HF models compute the LM loss."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    target = target.long()
+    loss = F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    valid = target != ignore_index
+    zl = None
+    if z_loss or return_z_loss:
+        zl = torch.where(valid, z_loss * torch.logsumexp(x, dim=-1).square(), 0.0)
+        loss = loss + zl
+
+    def reduce(rows):
+        if reduction == "none":
+            return rows.to(logits.dtype)
+        return (rows.sum() / valid.sum() if reduction == "mean" else rows.sum()).to(logits.dtype)
+
+    return (reduce(loss), reduce(zl)) if return_z_loss else reduce(loss)
+
+
+def cost(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+         z_loss: float = 0.0, softcap: Optional[float] = None, reduction: str = "mean", backward: bool = False,
+         **_) -> Cost:
+    """Ideal traffic: forward reads logits once (and target); backward reads logits (and target) and
+    writes dlogits. The fused grad_in_forward forward + backward can beat their sum: see the docstring."""
+    n, v = logits.shape
+    nv, esize = n * v, logits.element_size()
+    t_bytes = target.numel() * target.element_size()
+    cap_flops = 5.0 if softcap is not None else 0.0
+    if backward:
+        return Cost(flops=(6.0 + cap_flops) * nv, bytes=2.0 * nv * esize + t_bytes, dtype=dtype_key(logits.dtype))
+    return Cost(flops=(4.0 + cap_flops) * nv, bytes=1.0 * nv * esize + t_bytes, dtype=dtype_key(logits.dtype))
+
+
+def make_inputs(shape, dtype, device, generator=None):
+    n, v = shape
+    # randn * 2: about the spread of real LM logits, so the softmax is neither flat nor one-hot.
+    logits = (2.0 * torch.randn(shape, device=device, generator=generator)).to(dtype)
+    target = torch.randint(0, v, (n,), device=device, generator=generator)
+    # ~10% ignored tokens (padding, prompt), as in LM fine-tuning batches.
+    target[torch.rand(n, device=device, generator=generator) < 0.1] = -100
+    return (logits, target), {}
+
+
+def _liger_loader():
+    fn = optional_import("liger_kernel.transformers.functional", "liger_cross_entropy")()
+    if fn is None:
+        return None
+
+    def liger(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
+        return fn(logits, target, None, None, ignore_index, None, reduction, label_smoothing, z_loss, softcap)
+
+    return liger
+
+
+register(OpSpec(
+    name="cross_entropy", fn=cross_entropy, reference=reference, cost=cost, make_inputs=make_inputs,
+    grad_args=(0,),
+    test_shapes=[(37, 1), (37, 7), (37, 1000), (13, 4097)],
+    bench_shapes=[(8192, 32000), (8192, 128256), (4096, 256000)],
+    competitors={"liger": _liger_loader},
+    replaces=("aten::cross_entropy_loss", "aten::nll_loss_forward", "aten::_log_softmax", "CrossEntropyLoss"),
+    doc="Cross-entropy over large vocabularies: chunked online log-sum-exp, ignore_index, label smoothing, "
+        "z-loss, softcap; dlogits computed in the forward pass.",
+))
