@@ -9,10 +9,11 @@ __version__ = "0.1.0"
 from . import nn  # noqa: E402
 from .ops.cross_entropy import cross_entropy  # noqa: E402
 from .ops.glu import geglu, swiglu  # noqa: E402
+from .ops.layer_norm import layer_norm  # noqa: E402
 from .ops.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: E402
 from .ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from .ops.rope import rope  # noqa: E402
 from .ops.softmax import log_softmax, softmax  # noqa: E402
 
-__all__ = ["nn", "rms_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy",
+__all__ = ["nn", "rms_norm", "layer_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy",
            "rope", "mxfp8_quantize", "mxfp8_dequantize", "__version__"]

@@ -1,6 +1,7 @@
 """Drop-in `nn.Module`s backed by kernelkit ops (same constructors and state_dicts as torch's)."""
 
 from .ops.cross_entropy import CrossEntropyLoss
+from .ops.layer_norm import LayerNorm
 from .ops.rms_norm import RMSNorm
 
-__all__ = ["CrossEntropyLoss", "RMSNorm"]
+__all__ = ["CrossEntropyLoss", "LayerNorm", "RMSNorm"]

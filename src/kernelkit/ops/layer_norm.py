@@ -1,0 +1,373 @@
+"""LayerNorm: y = (x - mean) * rstd * w + b over the last dim, forward and backward.
+
+The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per program when short, a
+looped two-pass kernel for rows over MAX_FUSED_N; a persistent backward whose programs keep their
+share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
+rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..roofline.model import Cost, dtype_key
+from ..testing.poison import empty, empty_like
+from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
+from . import _validate
+from .registry import OpSpec, optional_import, register
+from .rms_norm import _column_sum
+
+MAX_FUSED_N = 32768
+LOOP_BLOCK_N = 4096
+
+
+@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
+          prune_configs_by={"early_config_prune": prune_row_tiles(64)})
+@triton.jit
+def layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps,
+                          HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    # Centre before squaring (not E[x²] - mean²): no cancellation for rows with a large mean.
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def layer_norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
+                                 HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = X + row * stride_x, Y + row * stride_y
+    # Welford-free two-level sums: per-lane sums, then shifted by the first chunk's mean to keep the
+    # variance free of cancellation when |mean| >> std.
+    cols0 = tl.arange(0, BLOCK_N)
+    x0 = tl.load(x_row + cols0, mask=cols0 < N, other=0.0).to(tl.float32)
+    shift = tl.sum(x0, axis=0) / tl.minimum(N, BLOCK_N)
+    s1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        d = tl.where(cols < N, x - shift, 0.0)
+        s1 += d
+        s2 += d * d
+    m1 = tl.sum(s1, axis=0) / N
+    mean = shift + m1
+    rstd = tl.math.rsqrt(tl.maximum(tl.sum(s2, axis=0) / N - m1 * m1, 0.0) + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        y = (tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=m)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
+          prune_configs_by={"early_config_prune": prune_row_tiles(32)})
+@triton.jit
+def layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx, M, N,
+                          HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = dy * w[None, :] if HAS_WEIGHT else dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db += tl.sum(dy, axis=0)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def layer_norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx,
+                                 M, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
+    db_row = DB_PARTIAL + pid.to(tl.int64) * N
+    for row in range(pid, M, tl.num_programs(0)):
+        r64 = tl.cast(row, tl.int64)
+        mean = tl.load(MEAN + row)
+        rstd = tl.load(RSTD + row)
+        a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m = cols < N
+            xhat = tl.where(m, (tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                wdy = wdy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            a1 += xhat * wdy
+            a2 += wdy
+        c1 = tl.sum(a1, axis=0) / N
+        c2 = tl.sum(a2, axis=0) / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m = cols < N
+            xhat = tl.where(m, (tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            dy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            wdy = dy
+            if HAS_WEIGHT:
+                wdy = dy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+                # Each program owns its partial rows: plain read-modify-write, no atomics.
+                tl.store(dw_row + cols, tl.load(dw_row + cols, mask=m, other=0.0) + dy * xhat, mask=m)
+            if HAS_BIAS:
+                tl.store(db_row + cols, tl.load(db_row + cols, mask=m, other=0.0) + dy, mask=m)
+            tl.store(DX + r64 * stride_dx + cols, ((wdy - (xhat * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=m)
+
+
+def _validate_inputs(x, weight, bias, eps):
+    _validate.tensor(x, "x", min_dim=1)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            _validate.tensor(t, name)
+            _validate.same_device(t, name, x, "x")
+            if t.shape != (x.shape[-1],):
+                raise ValueError(f"{name} must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(t.shape)}")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """Launch the forward. Returns (y, mean, rstd); mean and rstd are fp32 of shape x.shape[:-1]."""
+    _validate_inputs(x, weight, bias, eps)
+    n = x.shape[-1]
+    y = empty_like(x)
+    mean = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, mean.zero_(), rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf"))
+    x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
+    m = x2.shape[0]
+    w = weight if weight is not None else x2  # dummies, never read
+    b = bias if bias is not None else x2
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    if n <= MAX_FUSED_N:
+        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
+        launch(layer_norm_fwd_kernel, grid, (n, *flags.values(), x.dtype, w.dtype, b.dtype),
+               x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), m, n, eps, **flags,
+               BLOCK_N=triton.next_power_of_2(n))
+    else:
+        layer_norm_fwd_looped_kernel[(m,)](x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), n, eps, **flags,
+                                           BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    return y, mean, rstd
+
+
+def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
+    """Launch the backward. Returns (dx, dw, db); dw/db are empty when there is no weight/bias."""
+    n = x.shape[-1]
+    dx = empty_like(x)
+    has_w, has_b = weight is not None, bias is not None
+    none = x.new_empty(0)
+    if x.numel() == 0:
+        return dx, (torch.zeros_like(weight) if has_w else none), (torch.zeros_like(bias) if has_b else none)
+    x2, dy2, dx2 = _validate.rows_2d(x, n), _validate.rows_2d(dy, n), dx.view(-1, n)
+    m = x2.shape[0]
+    mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
+    w = weight if has_w else x2
+    sms = num_sms(x.device)
+    fused = n <= MAX_FUSED_N
+    # One or two programs per SM, as measured for RMSNorm's backward on the H100.
+    programs = min(m, sms * (2 if (not fused or triton.next_power_of_2(n) <= 2048) else 1))
+    alloc = torch.empty if fused else torch.zeros  # the looped kernel accumulates into its partials
+    dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
+    db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
+    flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b)
+    args = (dy2, x2, w, mean, rstd, dx2, dw_part, db_part, dy2.stride(0), x2.stride(0), dx2.stride(0), m, n)
+    if fused:
+        launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), *args, **flags,
+               BLOCK_N=triton.next_power_of_2(n))
+    else:
+        layer_norm_bwd_looped_kernel[(programs,)](*args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    dw = _column_sum(dw_part, weight) if has_w else none
+    db = _column_sum(db_part, bias) if has_b else none
+    return dx, dw, db
+
+
+# --- custom ops (torch.compile) and the eager autograd path ---
+
+@torch.library.custom_op("kernelkit::layer_norm", mutates_args=())
+def _layer_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("kernelkit::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy, x, weight, bias, mean, rstd):
+    none = x.new_empty(0)
+    return (torch.empty_like(x), torch.empty_like(weight) if weight is not None else none,
+            torch.empty_like(bias) if bias is not None else none)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd_op(dy, x, weight, bias, mean, rstd)
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+
+
+_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+        return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    x: (..., N) fp32/bf16/fp16, any strides; weight, bias: (N,) or None. Statistics in fp32, one
+    rounding at the end. Differentiable in x, weight and bias (dweight/dbias by two-stage reduction).
+    """
+    if torch.compiler.is_compiling():
+        return _layer_norm_op(x, weight, bias, float(eps))[0]
+    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in for `torch.nn.LayerNorm` (same constructor and state_dict) running kernelkit's kernel.
+
+    Several trailing normalized dims are flattened into one row. Documented fallback: a CPU tensor,
+    outside the Triton interpreter, runs torch's own forward.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..tune import interpreting
+
+        if x.device.type != "cuda" and not interpreting():
+            return super().forward(x)
+        n = math.prod(self.normalized_shape)
+        w = self.weight.reshape(n) if self.weight is not None else None
+        b = self.bias.reshape(n) if self.bias is not None else None
+        lead = x.shape[: x.dim() - len(self.normalized_shape)]
+        return layer_norm(x.reshape(*lead, n), w, b, self.eps).reshape(x.shape)
+
+
+def reference(x, weight=None, bias=None, eps=1e-5):
+    xf = x.float() if x.dtype != torch.float64 else x
+    y = F.layer_norm(xf, (x.shape[-1],), weight.to(xf.dtype) if weight is not None else None,
+                     bias.to(xf.dtype) if bias is not None else None, eps)
+    return y.to(x.dtype)
+
+
+def _eager(x, weight=None, bias=None, eps=1e-5):
+    """What a model's own LayerNorm code does without a fused kernel: fp32 statistics, several passes."""
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    var = (xf - mean).pow(2).mean(-1, keepdim=True)
+    y = (xf - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def cost(x, weight=None, bias=None, eps=1e-5, backward=False) -> Cost:
+    """Forward reads x (w, b) and writes y; backward reads x, dy (w) and writes dx (dw, db)."""
+    numel, esize = x.numel(), x.element_size()
+    params = sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
+    if backward:
+        return Cost(flops=10.0 * numel, bytes=3.0 * numel * esize + 2 * params, dtype=dtype_key(x.dtype))
+    return Cost(flops=7.0 * numel, bytes=2.0 * numel * esize + params, dtype=dtype_key(x.dtype))
+
+
+def make_inputs(shape, dtype, device, generator=None):
+    x = 0.5 + torch.randn(shape, dtype=dtype, device=device, generator=generator)  # a nonzero mean, as in models
+    w = 1.0 + 0.1 * torch.randn(shape[-1], dtype=dtype, device=device, generator=generator)
+    b = 0.1 * torch.randn(shape[-1], dtype=dtype, device=device, generator=generator)
+    return (x, w, b), {"eps": 1e-5}
+
+
+def _torch_layer_norm(x, weight=None, bias=None, eps=1e-5):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def _liger_loader():
+    fn = optional_import("liger_kernel.transformers.functional", "liger_layer_norm")()
+    return None if fn is None else (lambda x, weight=None, bias=None, eps=1e-5: fn(x, weight, bias, eps))
+
+
+register(OpSpec(
+    name="layer_norm", fn=layer_norm, reference=reference, eager=_eager, cost=cost, make_inputs=make_inputs,
+    grad_args=(0, 1, 2), test_shapes=[(3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
+    bench_shapes=[(4096, 4096), (16384, 2048), (16384, 4096), (8192, 8192), (16384, 8192)],
+    latency_shapes=[(1, 4096)],
+    competitors={"F.layer_norm": lambda: _torch_layer_norm, "liger": _liger_loader},
+    replaces=("aten::layer_norm", "aten::native_layer_norm", "LayerNorm"),
+    doc="LayerNorm forward+backward with optional weight and bias, fp32 statistics.",
+))
