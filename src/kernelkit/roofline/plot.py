@@ -16,13 +16,14 @@ def roofline_png(points: list[dict], ceilings: Ceilings, path: str | Path, title
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
-    xs = np.logspace(-2, 4, 200)
+    pts = [p for p in points if p["intensity"] > 0 and p["tflops"]]
+    lo = min([p["intensity"] for p in pts] + [1e-2]) / 2
+    xs = np.logspace(np.log10(lo), 4, 200)
     bw = ceilings.copy_gbps * 1e9
     for key, style in (("bf16", "-"), ("fp8", "--"), ("tf32", "-."), ("fp32", ":")):
         peak = ceilings.tflops.get(key)
         if peak:
             ax.plot(xs, np.minimum(peak, xs * bw / 1e12), style, lw=1.2, label=f"{key} roof ({peak:.0f} TF)")
-    pts = [p for p in points if p["intensity"] > 0 and p["tflops"]]
     if pts:
         ax.scatter([p["intensity"] for p in pts], [p["tflops"] for p in pts],
                    s=[20 + 8 * p["share_pct"] for p in pts], alpha=0.6, c="tab:red", edgecolors="k", linewidths=0.4)
