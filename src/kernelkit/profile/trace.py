@@ -10,6 +10,7 @@ Two collectors feed the same `OpRecord` list, so the analysis never knows which 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,9 +119,28 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _key(t: torch.Tensor) -> tuple:
-    # The StorageImpl pointer, not data_ptr(): meta tensors (predicted mode) all have data_ptr 0.
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape))
+class _TensorIds:
+    """Serial numbers for tensor objects. Addresses are no identity: a freed tensor's storage address
+    is reused by the next allocation (the caching allocator, and meta storages alike)."""
+
+    def __init__(self):
+        self.refs: dict[int, tuple[int, weakref.ref]] = {}
+        self.next = 0
+
+    def __call__(self, t: torch.Tensor) -> int:
+        hit = self.refs.get(id(t))
+        if hit is not None and hit[1]() is t:
+            return hit[0]
+        self.next += 1
+        self.refs[id(t)] = (self.next, weakref.ref(t))
+        return self.next
+
+
+_ids = _TensorIds()
+
+
+def _key(t: torch.Tensor) -> int:
+    return _ids(t)
 
 
 def _size(t: torch.Tensor) -> int:
