@@ -178,8 +178,6 @@ def test_tensor_identity_survives_address_reuse():
     a = torch.empty(1024)
     first = ids(a)
     assert ids(a) == first
-    addr = a.untyped_storage().data_ptr()
     del a
     b = torch.empty(1024)  # the allocator may hand back the same address: identity must still differ
     assert ids(b) != first
-    assert b.untyped_storage().data_ptr() == addr or True  # reuse is likely, not required
