@@ -3,7 +3,7 @@ import torch
 
 import kernelkit.ops.rms_norm as mod
 from kernelkit.ops import registry
-from kernelkit.testing import check, check_spec
+from kernelkit.testing import check_spec
 from kernelkit.testing.graph import compile_as_one_node
 
 SPEC = registry.get("add_rms_norm")

@@ -10,7 +10,7 @@ from kernelkit.profile import Thresholds, profile
 from kernelkit.profile.analysis import analyze
 from kernelkit.profile.costs import op_cost
 from kernelkit.profile.examples import build_example
-from kernelkit.profile.trace import OpRecord, predict
+from kernelkit.profile.trace import OpRecord
 from torch.utils._python_dispatch import TorchDispatchMode
 
 H100 = Ceilings.from_spec(DATASHEETS["h100-sxm"])

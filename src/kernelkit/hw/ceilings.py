@@ -112,8 +112,6 @@ def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -151,8 +149,6 @@ def measure_matmul_tflops(dtype_key: str, sizes=(4096, 8192)) -> float | None:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev
         best = max(best, 2 * n**3 / (ms * 1e-3) / 1e12)
-        del a, b
-    torch.cuda.empty_cache()
     return best
 
 
@@ -183,10 +179,12 @@ def measure_ceilings(force: bool = False, progress: Progress | None = None) -> C
     step = progress or (lambda label: None)
     step("copy bandwidth")
     copy = measure_copy_gbps()
+    torch.cuda.empty_cache()  # hand the 4 GiB of copy buffers back before the matmuls
     tflops: dict[str, float | None] = {}
     for key in ("bf16", "fp16", "fp8", "tf32", "fp32"):
         step(f"{key} matrix peak")
         tflops[key] = measure_matmul_tflops(key)
+        torch.cuda.empty_cache()
     step("launch floor")
     launch = measure_launch_us()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
