@@ -93,20 +93,28 @@ def _decode_fp8(bits, MBITS: tl.constexpr, BIAS: tl.constexpr):
     return (out | sign).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _block_tile(M, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's (ROWS, BLOCK_K // 32, 32) tile of 32-element scale blocks, with its masks.
+
+    Column chunks vary fastest, so consecutive programs stream consecutive memory; the block's 32
+    elements are the contiguous innermost axis, so per-block reductions stay within a thread group.
+    """
+    NB: tl.constexpr = BLOCK_K // 32
+    n_k = tl.cdiv(K, BLOCK_K)
+    rows = ((tl.program_id(0) // n_k) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    blk = (tl.program_id(0) % n_k) * NB + tl.arange(0, NB)
+    cols = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    blk_ok = (rows < M)[:, None] & (blk < K // 32)[None, :]
+    return rows, blk, cols, blk_ok, blk_ok[:, :, None]
+
+
 @autotune(_configs(), key=["K", "EMAX", "HW_CAST"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def mxfp8_quantize_kernel(X, DATA, SCALES, M, K, stride_x, stride_d, stride_s,
                           EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_NORMAL: tl.constexpr,
                           HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    NB: tl.constexpr = BLOCK_K // 32
-    # Column chunks vary fastest: consecutive programs stream consecutive memory.
-    n_k = tl.cdiv(K, BLOCK_K)
-    rows = ((tl.program_id(0) // n_k) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    blk = (tl.program_id(0) % n_k) * NB + tl.arange(0, NB)
-    # A (rows, blocks, 32) tile: the block amax is a reduction over the contiguous innermost axis.
-    cols = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    blk_ok = (rows < M)[:, None] & (blk < K // 32)[None, :]
-    mask = blk_ok[:, :, None]
+    rows, blk, cols, blk_ok, mask = _block_tile(M, K, ROWS, BLOCK_K)
     x = tl.load(X + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
     exp = amax_bits >> 23  # biased exponent of the amax: 0 for zero/subnormal, 255 for Inf/NaN
@@ -132,14 +140,7 @@ def mxfp8_quantize_kernel(X, DATA, SCALES, M, K, stride_x, stride_d, stride_s,
 def mxfp8_dequantize_kernel(DATA, SCALES, OUT, M, K, stride_d, stride_s, stride_o,
                             MBITS: tl.constexpr, BIAS: tl.constexpr, HW_CAST: tl.constexpr,
                             ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    NB: tl.constexpr = BLOCK_K // 32
-    # Column chunks vary fastest: consecutive programs stream consecutive memory.
-    n_k = tl.cdiv(K, BLOCK_K)
-    rows = ((tl.program_id(0) // n_k) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    blk = (tl.program_id(0) % n_k) * NB + tl.arange(0, NB)
-    cols = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    blk_ok = (rows < M)[:, None] & (blk < K // 32)[None, :]
-    mask = blk_ok[:, :, None]
+    rows, blk, cols, blk_ok, mask = _block_tile(M, K, ROWS, BLOCK_K)
     bits = tl.load(DATA + rows[:, None, None] * stride_d + cols, mask=mask, other=0)
     code = tl.load(SCALES + rows[:, None] * stride_s + blk[None, :], mask=blk_ok, other=127).to(tl.int32)
     if HW_CAST:

@@ -406,13 +406,11 @@ def add_reference(x, residual, weight=None, eps=1e-6, offset=0.0):
 
 
 def add_cost(x, residual, weight=None, eps=1e-6, offset=0.0, backward=False) -> Cost:
-    """Forward reads x, residual (and w), writes normed and summed; backward reads summed, dnormed,
-    dsummed (and w), writes dx (shared by x and residual) and dw."""
-    numel, esize = x.numel(), x.element_size()
-    w_bytes = weight.numel() * weight.element_size() if weight is not None else 0
-    if backward:
-        return Cost(flops=9.0 * numel, bytes=4.0 * numel * esize + 2 * w_bytes, dtype=dtype_key(x.dtype))
-    return Cost(flops=5.0 * numel, bytes=4.0 * numel * esize + w_bytes, dtype=dtype_key(x.dtype))
+    """RMSNorm's traffic plus the residual stream's: the forward also reads residual and writes summed;
+    the backward also reads dsummed (dx serves x and residual, written once)."""
+    base = cost(x, weight, backward=backward)
+    extra = (1.0 if backward else 2.0) * x.numel() * x.element_size()
+    return Cost(flops=base.flops + x.numel(), bytes=base.bytes + extra, dtype=base.dtype)
 
 
 def add_make_inputs(shape, dtype, device, generator=None):
