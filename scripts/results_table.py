@@ -38,6 +38,32 @@ def table(path: str) -> str:
     return "\n".join(out) + "\n" + note
 
 
+def geomeans(paths: list[str], min_ms: float = 0.09) -> str:
+    """kernelkit's geomean speedup over each competitor, across ops, shapes and modes, counting only
+    rows where kernelkit's GPU time is at least `min_ms` (smaller ones measure host overhead)."""
+    import math
+
+    ratios = defaultdict(list)
+    for path in paths:
+        rows = json.load(open(path))["rows"]
+        by = defaultdict(dict)
+        for r in rows:
+            by[(r["shape"], r["mode"])][r["impl"]] = r
+        for group in by.values():
+            kk = group.get("kernelkit", {}).get("ms")
+            if not kk or kk < min_ms:
+                continue
+            for impl, r in group.items():
+                if impl != "kernelkit" and r.get("ms"):
+                    ratios[impl].append(r["ms"] / kk)
+    return "\n".join(f"vs {impl}: geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f}x over {len(v)} rows"
+                     for impl, v in sorted(ratios.items()))
+
+
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
-        print(table(p))
+    args = sys.argv[1:]
+    if args and args[0] == "--geomean":
+        print(geomeans(args[1:]))
+    else:
+        for p in args:
+            print(table(p))
