@@ -35,6 +35,17 @@ def test_scale_and_non_contiguous(log, device):
     check(lambda x: fn(x, 0.125), lambda x: ref(x, 0.125), (x,), grad_args=(0,)).raise_if_failed()
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_negative_scale(fused, device, monkeypatch):
+    # Masked tail lanes must stay out of the max and sum whatever the sign of the scale.
+    if not fused:
+        monkeypatch.setattr(mod, "MAX_FUSED_N", 64)
+        monkeypatch.setattr(mod, "LOOP_BLOCK_N", 64)
+    x = torch.randn(5, 301, device=device)
+    for fn, ref in ((mod.softmax, mod.reference), (mod.log_softmax, mod.log_reference)):
+        check(lambda x: fn(x, -0.7), lambda x: ref(x, -0.7), (x,), grad_args=(0,)).raise_if_failed()
+
+
 def test_masked_minus_inf_entries_like_torch(device):
     x = torch.randn(4, 50, device=device)
     x[:, 10:20] = float("-inf")  # an attention mask

@@ -32,9 +32,10 @@ def softmax_fwd_kernel(X, Y, stride_x, stride_y, M, N, scale,
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
-    # Masked lanes read -inf so they drop out of both the max and the sum.
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-    z = x * scale
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Masked lanes become -inf after the scale (a negative scale would turn a loaded -inf into +inf),
+    # so they drop out of both the max and the sum.
+    z = tl.where(mask, x * scale, float("-inf"))
     m = tl.max(z, axis=1)
     e = tl.exp2((z - m[:, None]) * LOG2E)
     s = tl.sum(e, axis=1)
@@ -54,7 +55,7 @@ def softmax_fwd_looped_kernel(X, Y, stride_x, stride_y, N, scale, LOG: tl.conste
     s = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        z = tl.load(x_row + cols, mask=cols < N, other=float("-inf")).to(tl.float32) * scale
+        z = tl.where(cols < N, tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) * scale, float("-inf"))
         m_new = tl.maximum(m, z)
         # Lanes still at -inf (nothing seen yet) contribute 0, not NaN from (-inf) - (-inf).
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2((m - m_new) * LOG2E))
@@ -65,7 +66,7 @@ def softmax_fwd_looped_kernel(X, Y, stride_x, stride_y, N, scale, LOG: tl.conste
     lse = m_row + tl.log(s_row)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        z = tl.load(x_row + cols, mask=cols < N, other=float("-inf")).to(tl.float32) * scale
+        z = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) * scale
         if LOG:
             y = z - lse
         else:
