@@ -6,23 +6,26 @@ import torch
 
 from ..hw.ceilings import ceilings_for
 from .analysis import Report, Thresholds, analyze
-from .trace import measure, predict
+from .trace import OpRecord, Trace, measure, predict
 
 
-def profile(model: torch.nn.Module, inputs: tuple, steps: int = 3, warmup: int = 1, backward: bool = True,
+def profile(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, backward: bool = True,
             gpu: str | None = None, thresholds: Thresholds | None = None) -> Report:
-    """Profile `model(*inputs)` (and its backward) and place each op on the roofline.
+    """Profile `model(*inputs)` and its backward, and place each op on the roofline.
 
-    On a CUDA GPU (and `gpu=None`) times are measured with torch.profiler over `steps` steps against the
-    measured ceilings. With `gpu="h100"` (or no GPU) nothing is timed: each op's floor is predicted
-    from that datasheet and the cost models, and the report says so.
+    `inputs` is a tuple of positional arguments (a dict is passed as keyword arguments); the model
+    returns a loss (or a tensor, summed, or an output with `.loss`). On a CUDA GPU with `gpu=None`,
+    `steps` steps after `warmup` are measured with torch.profiler against the measured ceilings
+    (hw.ceilings_for, cached per device). With `gpu="h100"` (or no GPU) nothing is timed: one step runs
+    where the model lives (CPU or meta device) and each op's floor is predicted from that datasheet.
+    The Report's `.trace` holds the records, to save (`rep.trace.save(path)`) and analyze again.
     """
     ceilings, measured = ceilings_for(gpu)
-    if measured:
-        records, spans, step_ms = measure(model, inputs, steps=steps, warmup=warmup, backward=backward)
-        return analyze(records, ceilings, steps, True, thresholds, spans=spans, step_ms=step_ms)
-    records = predict(model, inputs, backward=backward)
-    return analyze(records, ceilings, 1, False, thresholds)
+    trace = measure(model, inputs, steps=steps, warmup=warmup, backward=backward) if measured else \
+        predict(model, inputs, backward=backward)
+    rep = analyze(trace, ceilings, thresholds)
+    rep.trace = trace
+    return rep
 
 
-__all__ = ["profile", "Report", "Thresholds"]
+__all__ = ["profile", "analyze", "Report", "Thresholds", "Trace", "OpRecord"]

@@ -1,54 +1,67 @@
-"""From op records to findings: one row per (op, module, shapes) with its roofline placement and the
-three-condition verdict, fusible memory-bound chains between matmuls, and launch-gap overhead.
+"""From op records to findings: one row per (op, module, phase, shapes) with its roofline placement and
+the three-condition verdict, registry kernels with their projected saving, fusible memory-bound chains
+between matmuls, and launch-gap overhead.
 
-The three conditions for writing a kernel: (a) room above the floor, measured time at least
-`room` x the roofline floor; (b) hot, at least `hot_pct` % of the step; (c) stable shape, at most
+The three conditions for writing a kernel: (a) room above the floor, measured time at least `room` x
+the roofline floor; (b) hot, at least `hot_pct` % of the step's GPU time; (c) stable shape, at most
 `max_shapes` distinct shapes of the op at that module across the profiled steps.
+
+Projections, stated so they can be argued with:
+- a registry kernel is assumed to reach KERNEL_EFFICIENCY (90%) of the roof: saving = time - floor / 0.9,
+  where the floor is that of the fused op (the true inputs and outputs of the calls it replaces);
+- inside a CUDA graph a kernel still costs GRAPH_GAP_US (1 us) of gap: graphs recover idle - kernels x 1 us.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from ..hw.ceilings import Ceilings
 from ..roofline.model import Cost, place
 from .costs import is_matmul
-from .trace import OpRecord
+from .trace import OpRecord, Trace
 
-# A registry kernel is assumed to reach this fraction of the roof when projecting time saved.
 KERNEL_EFFICIENCY = 0.9
+GRAPH_GAP_US = 1.0
 
 
 @dataclass
 class Thresholds:
-    room: float = 1.5  # measured / floor at least this
-    hot_pct: float = 2.0  # share of step time at least this (%)
-    max_shapes: int = 4  # distinct shapes across steps at most this
-    overhead_pct: float = 10.0  # idle share of the step above which launch overhead is a finding
+    room: float = 1.5  # (a) measured / floor at least this
+    hot_pct: float = 2.0  # (b) share of the step's GPU time at least this (%)
+    max_shapes: int = 4  # (c) distinct shapes across steps at most this
+    overhead_pct: float = 10.0  # GPU idle share of the step above which launch overhead is a finding
+    chain_pct: float = 1.0  # a fusible chain is a finding when fusing saves at least this % of the step
 
 
 @dataclass
 class Row:
     op: str
     module: str
+    phase: str
     shapes: str
     dtypes: str
     calls: float  # per step
     ms: float | None  # per step, all calls; None when predicted
-    share_pct: float
+    share_pct: float  # of the step's GPU kernel time (of the summed floors when predicted)
     flops: float  # per call
     bytes: float  # per call
     intensity: float
     floor_ms: float  # per step, all calls
-    regime: str
+    regime: str  # memory, compute or overhead
     tflops: float | None
     gbps: float | None
     pct_roof: float | None
-    headroom_ms: float | None
+    headroom_ms: float | None  # ms - floor_ms
     distinct_shapes: int
-    verdict: str
-    recommendation: str = ""
-    saving_ms: float | None = None
+    room: bool | None
+    hot: bool
+    stable: bool
+    verdict: str  # "KERNEL: ...", "candidate: ..." (predicted, room unknown) or "leave: ..."
+    recommendation: str = ""  # registry op that replaces this call
+    recommended_via: str = ""  # "op" or "module" (the module class is what the registry replaces)
+    saving_ms: float | None = None  # per step, for recommendations through the op itself
 
 
 @dataclass
@@ -56,161 +69,449 @@ class Report:
     gpu: str
     measured: bool
     steps: int
-    step_ms: float  # measured GPU time per step (or the sum of floors when predicted)
-    attributed_pct: float | None  # per-op kernel time / measured step GPU time
+    step_ms: float  # wall time per step (summed floors when predicted)
+    gpu_ms: float  # GPU kernel time per step (summed floors when predicted)
+    attributed_pct: float | None  # kernel time charged to op rows / all kernel time of the steps
     rows: list[Row]
+    kernels: list[dict] = field(default_factory=list)  # registry kernels for groups of calls, with savings
     chains: list[dict] = field(default_factory=list)
     overhead: dict = field(default_factory=dict)
+    unattributed: list[dict] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
     thresholds: dict = field(default_factory=dict)
+    ceilings: dict = field(default_factory=dict)
+    assumptions: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def _recommend(op: str, module: str) -> str:
-    from ..ops import registry
-
-    klass = module.rsplit(":", 1)[-1] if ":" in module else ""
-    hits = registry.replacing(op) + (registry.replacing(klass) if klass else [])
-    return hits[0].name if hits else ""
+def _cost(r: OpRecord) -> Cost:
+    return Cost(r.flops, r.bytes, r.dtype_key)
 
 
-def analyze(records: list[OpRecord], ceilings: Ceilings, steps: int, measured: bool,
-            thresholds: Thresholds | None = None, spans: list[tuple[float, float]] | None = None,
-            step_ms: float | None = None) -> Report:
-    th = thresholds or Thresholds()
-    groups: dict[tuple, list[OpRecord]] = {}
-    shapes_seen: dict[tuple, set] = {}
+def _fmt_shapes(shapes) -> str:
+    return " ".join("x".join(map(str, s)) if s else "()" for s in shapes)
+
+
+def _forward_names(op: str) -> list[str]:
+    """Names the registry may list for an op: itself and, for a backward op, its forward."""
+    names = [op]
+    for suffix in ("_backward_data", "_backward"):
+        if op.endswith(suffix):
+            base = op[: -len(suffix)]
+            names += [base, base + "_forward"]
+            break
+    return names
+
+
+class _Registry:
+    """The op registry as the profiler reads it: which kernelkit op replaces a call."""
+
+    def __init__(self):
+        from ..ops import registry
+
+        self.specs = registry.all_ops()
+        self.by_key: dict[str, list[str]] = defaultdict(list)
+        for name, spec in self.specs.items():
+            for key in spec.replaces:
+                self.by_key[key].append(name)
+
+    def candidates(self, r: OpRecord) -> tuple[list[str], str]:
+        via_op = [s for n in _forward_names(r.op) for s in self.by_key.get(n, [])]
+        if via_op:
+            return list(dict.fromkeys(via_op)), "op"
+        klass = r.module.rsplit(":", 1)[-1] if ":" in r.module else ""
+        return list(self.by_key.get(klass, [])), "module"
+
+    def names_of(self, r: OpRecord) -> set[str]:
+        """Everything a record can stand for in a registry key such as "aten::add+aten::rms_norm"."""
+        klass = r.module.rsplit(":", 1)[-1] if ":" in r.module else ""
+        names = set(_forward_names(r.op)) | ({klass} if klass else set())
+        for spec in self.by_key.get(klass, []):
+            names |= set(self.specs[spec].replaces)
+        return names
+
+    def dataflow_runs(self, recs: list[OpRecord]) -> list[tuple[str, list[OpRecord]]]:
+        """Calls matching a registry key of aten ops such as "aten::silu+aten::mul", linked by data: each
+        consumes the previous one's output, whatever ran in between (SwiGLU's up_proj matmul, say)."""
+        producer = {}
+        for r in recs:
+            for k in r.out_keys:
+                producer[k] = r
+        out = []
+        for key, specs in self.by_key.items():
+            parts = key.split("+")
+            if len(parts) < 2 or not all(p.startswith("aten::") for p in parts):
+                continue
+            for r in recs:
+                if r.op != parts[-1]:
+                    continue
+                run, cur = [r], r
+                for part in reversed(parts[:-1]):
+                    prev = next((producer[k] for k in cur.in_keys if k in producer and producer[k].op == part
+                                 and producer[k].phase == cur.phase), None)
+                    if prev is None:
+                        break
+                    run.insert(0, prev)
+                    cur = prev
+                if len(run) == len(parts):
+                    out.append((specs[0], run))
+        return out
+
+    def chain_match(self, run: list[OpRecord]) -> str:
+        names = [self.names_of(r) for r in run]
+        for key, specs in self.by_key.items():
+            if "+" not in key:
+                continue
+            i = 0
+            for part in key.split("+"):
+                while i < len(names) and part not in names[i]:
+                    i += 1
+                if i == len(names):
+                    break
+                i += 1
+            else:
+                return specs[0]
+        return ""
+
+
+def _registry() -> _Registry | None:
+    try:
+        return _Registry()
+    except Exception:  # the analysis of a saved trace must not depend on the kernels importing
+        return None
+
+
+def true_bytes(run: list[OpRecord]) -> float:
+    """Bytes that cross HBM when `run` is one kernel: tensors read that the run did not produce, and
+    tensors produced that the run does not consume again (each once, at the largest view seen)."""
+    produced = {k for r in run for k in r.out_keys}
+    consumed = {k for r in run for k in r.in_keys}
+    ins, outs = {}, {}
+    for r in run:
+        for k, b in zip(r.in_keys, r.in_sizes):
+            if k not in produced:
+                ins[k] = max(ins.get(k, 0), b)
+        for k, b in zip(r.out_keys, r.out_sizes):
+            if k not in consumed:
+                outs[k] = max(outs.get(k, 0), b)
+    return float(sum(ins.values()) + sum(outs.values()))
+
+
+def _fused_floor_ms(run: list[OpRecord], ceilings: Ceilings) -> tuple[float, float]:
+    nbytes = true_bytes(run)
+    p = place(Cost(sum(r.flops for r in run), nbytes, run[0].dtype_key), ceilings)
+    return p.floor_ms, nbytes
+
+
+def _per_step(records: list[OpRecord], steps: int) -> list[list[OpRecord]]:
+    out = [[] for _ in range(steps)]
     for r in records:
-        groups.setdefault((r.op, r.module, r.shapes, r.dtypes), []).append(r)
-        shapes_seen.setdefault((r.op, r.module), set()).add(r.shapes)
+        if 0 <= r.step < steps:
+            out[r.step].append(r)
+    return out
+
+
+def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thresholds | None = None) -> Report:
+    """Rows, registry kernels, chains, overhead and findings of a trace against the given ceilings."""
+    if not isinstance(trace, Trace):
+        recs = list(trace)
+        trace = Trace(records=recs, steps=max((r.step for r in recs), default=0) + 1,
+                      measured=any(r.kernels is not None for r in recs))
+    th = thresholds or Thresholds()
+    steps, measured = max(trace.steps, 1), trace.measured
+    records = [r for r in trace.records if r is not None]
+    reg = _registry()
+
+    groups: dict[tuple, list[OpRecord]] = defaultdict(list)
+    shapes_seen: dict[tuple, set] = defaultdict(set)
+    for r in records:
+        groups[(r.op, r.module, r.phase, r.shapes, r.dtypes)].append(r)
+        shapes_seen[(r.op, r.module, r.phase)].add((r.shapes, r.dtypes))
 
     rows = []
-    for (op, module, shapes, dtypes), rs in groups.items():
+    for (op, module, phase, shapes, dtypes), rs in groups.items():
         calls = len(rs) / steps
-        one = Cost(rs[0].flops, rs[0].bytes, rs[0].dtype_key)
-        per_call_ms = sum(r.ms or 0.0 for r in rs) / len(rs) if measured else None
-        p = place(one, ceilings, per_call_ms)
-        ms = per_call_ms * calls if measured else None
-        rows.append(Row(op=op, module=module, shapes=" ".join("x".join(map(str, s)) for s in shapes),
-                        dtypes=",".join(dtypes), calls=calls, ms=ms, share_pct=0.0, flops=one.flops, bytes=one.bytes,
-                        intensity=one.arithmetic_intensity if one.bytes else 0.0, floor_ms=p.floor_ms * calls,
+        one = Cost(sum(r.flops for r in rs) / len(rs), sum(r.bytes for r in rs) / len(rs), rs[0].dtype_key)
+        per_call = sum(r.ms or 0.0 for r in rs) / len(rs) if measured else None
+        p = place(one, ceilings, per_call)
+        ms = per_call * calls if measured else None
+        rows.append(Row(op=op, module=module, phase=phase, shapes=_fmt_shapes(shapes), dtypes=",".join(dtypes),
+                        calls=calls, ms=ms, share_pct=0.0, flops=one.flops, bytes=one.bytes,
+                        intensity=one.flops / one.bytes if one.bytes else 0.0, floor_ms=p.floor_ms * calls,
                         regime=p.regime, tflops=p.achieved_tflops, gbps=p.achieved_gbps, pct_roof=p.pct_of_roof,
                         headroom_ms=(ms - p.floor_ms * calls) if measured else None,
-                        distinct_shapes=len(shapes_seen[(op, module)]), verdict=""))
-    total = sum(r.ms for r in rows) if measured else sum(r.floor_ms for r in rows)
+                        distinct_shapes=len(shapes_seen[(op, module, phase)]), room=None, hot=False, stable=True,
+                        verdict=""))
+
+    attributed_ms = sum(r.ms for r in rows) if measured else 0.0
+    if measured:
+        gpu_ms = (trace.device_us / steps / 1e3) if trace.device_us else attributed_ms
+    else:
+        gpu_ms = sum(r.floor_ms for r in rows)
     for r in rows:
         t = r.ms if measured else r.floor_ms
-        r.share_pct = 100.0 * t / total if total else 0.0
-        hot = r.share_pct >= th.hot_pct
-        stable = r.distinct_shapes <= th.max_shapes
-        room = (r.ms >= th.room * r.floor_ms) if measured else None
-        parts = [f"room {'yes' if room else 'no'}" if room is not None else "room ? (predicted)",
-                 f"hot {'yes' if hot else 'no'}", f"stable {'yes' if stable else 'no'}"]
-        worth = hot and stable and (room is None or room) and r.regime != "overhead"
-        r.verdict = ("KERNEL" if worth and measured else "candidate" if worth else "leave") + ": " + ", ".join(parts)
-        r.recommendation = _recommend(r.op, r.module)
-        if r.recommendation and measured:
-            r.saving_ms = max(0.0, r.ms - r.floor_ms / KERNEL_EFFICIENCY)
+        r.share_pct = 100.0 * t / gpu_ms if gpu_ms else 0.0
+        r.hot = r.share_pct >= th.hot_pct
+        r.stable = r.distinct_shapes <= th.max_shapes
+        r.room = (r.ms >= th.room * r.floor_ms) if measured else None
+        worth = r.hot and r.stable and r.room is not False and r.regime != "overhead"
+        word = ("KERNEL" if measured else "candidate") if worth else "leave"
+        why = [f"room {'yes' if r.room else 'no'}" if measured else "room ? (predicted)",
+               f"hot {'yes' if r.hot else 'no'}", f"stable {'yes' if r.stable else 'no'}"]
+        if r.regime == "overhead":
+            why.append("launch-bound")
+        r.verdict = f"{word}: {', '.join(why)}"
     rows.sort(key=lambda r: -(r.ms if measured else r.floor_ms))
 
-    step = step_ms if (measured and step_ms) else total
-    rep = Report(gpu=ceilings.gpu, measured=measured, steps=steps, step_ms=step,
-                 attributed_pct=(100.0 * total / step_ms) if measured and step_ms else None, rows=rows,
-                 thresholds=asdict(th))
-    rep.chains = fusible_chains([r for r in records if r.step == 0], ceilings, steps_ms=None if not measured else 1)
-    rep.overhead = overhead(spans, step_ms, steps, th, ceilings, n_ops=len(records) / steps) if measured else \
-        predicted_overhead(records, ceilings, steps, total)
+    timeline = trace.timeline or _timeline_from(records, steps)
+    step_ms = (sum(t["wall_us"] for t in timeline) / len(timeline) / 1e3) if (measured and timeline) else gpu_ms
+    rep = Report(gpu=ceilings.gpu, measured=measured, steps=steps, step_ms=step_ms, gpu_ms=gpu_ms,
+                 attributed_pct=(100.0 * attributed_ms / gpu_ms) if measured and gpu_ms else None, rows=rows,
+                 thresholds=asdict(th), ceilings={"gpu": ceilings.gpu, "copy_gbps": ceilings.copy_gbps,
+                                                  "tflops": ceilings.tflops, "launch_us": ceilings.launch_us,
+                                                  "source": ceilings.fingerprint.get("source", "measured")},
+                 assumptions={"kernel_efficiency": KERNEL_EFFICIENCY, "graph_gap_us": GRAPH_GAP_US,
+                              "share_of": "GPU kernel time" if measured else "summed roofline floors"},
+                 notes=list(trace.notes))
+    per_step = _per_step(records, steps)
+    assign = assign_registry(per_step, reg) if reg is not None else {}
+    rep.kernels = registry_kernels(per_step, assign, ceilings, rows, measured, gpu_ms)
+    rep.chains = fusible_chains(per_step, ceilings, reg, measured, gpu_ms, assign)
+    rep.overhead = overhead(timeline, th, ceilings) if measured else predicted_overhead(rows, ceilings, th)
+    for what, us in sorted(trace.unattributed.items(), key=lambda kv: -kv[1])[:10]:
+        ms = us / steps / 1e3
+        rep.unattributed.append({"what": what, "ms": ms, "share_pct": 100.0 * ms / gpu_ms if gpu_ms else 0.0})
     rep.findings = _findings(rep, th)
     return rep
 
 
-def fusible_chains(step_records: list[OpRecord], ceilings: Ceilings, steps_ms=None, min_len: int = 2) -> list[dict]:
-    """Runs of consecutive memory-bound ops between matmuls, each with today's time (or floor) and the
-    floor of doing it as one kernel: only the chain's true inputs and outputs cross HBM.
+def assign_registry(per_step, reg: _Registry) -> dict[int, tuple[str, str]]:
+    """id(record) -> (registry op, via): "op" (it replaces the aten op or its forward), "module" (the
+    module class), "pattern" (a "+" key matched along the data flow). In one (module, phase) context a
+    call goes to the candidate that covers most calls there (cross_entropy over log_softmax, say)."""
+    assign: dict[int, tuple[str, str]] = {}
+    for recs in per_step:
+        ctx: dict[tuple, list[OpRecord]] = defaultdict(list)
+        for r in recs:
+            ctx[(r.module, r.phase)].append(r)
+        for rs in ctx.values():
+            cands = {id(r): reg.candidates(r) for r in rs}
+            count = defaultdict(int)
+            for c, _ in cands.values():
+                for spec in c:
+                    count[spec] += 1
+            for r in rs:
+                c, via = cands[id(r)]
+                if c:
+                    assign[id(r)] = (max(c, key=lambda spec: count[spec]), via)
+        for spec, run in reg.dataflow_runs(recs):
+            if not any(id(r) in assign for r in run):
+                for r in run:
+                    assign[id(r)] = (spec, "pattern")
+    return assign
 
-    True inputs: tensors read by the chain that no op of the chain produced; true outputs: tensors the
-    chain produced that no later op of the chain consumed (tensor identity by storage, offset, shape).
-    """
+
+def registry_kernels(per_step, assign: dict, ceilings: Ceilings, rows: list[Row], measured: bool,
+                     gpu_ms: float) -> list[dict]:
+    """Calls a registry op replaces, per (registry op, module class): their time today against the floor
+    of the fused calls that replace them (one per module instance and phase: its true inputs and outputs)."""
+    steps = len(per_step)
+    by_row = {(r.op, r.module, r.phase, _fmt_shapes(r.shapes), ",".join(r.dtypes)): assign[id(r)]
+              for recs in per_step for r in recs if id(r) in assign}
+    for row in rows:
+        hit = by_row.get((row.op, row.module, row.phase, row.shapes, row.dtypes))
+        if hit:
+            row.recommendation, row.recommended_via = hit
+            if measured and hit[1] == "op":
+                row.saving_ms = max(0.0, row.ms - row.floor_ms / KERNEL_EFFICIENCY)
+
+    agg: dict[tuple, dict] = {}
+    for recs in per_step:
+        units: dict[tuple, list[OpRecord]] = defaultdict(list)
+        for r in recs:
+            if id(r) in assign:
+                units[assign[id(r)] + (r.module, r.phase)].append(r)
+        for (spec, via, module, phase), run in units.items():
+            klass = module.rsplit(":", 1)[-1] if module else "<top>"
+            a = agg.setdefault((spec, via, klass), {
+                "kernel": spec, "replaces": {}, "via": via, "in": klass, "instances": set(), "calls": 0.0,
+                "phases": set(), "shapes": defaultdict(set), "today_ms": 0.0 if measured else None,
+                "floor_sum_ms": 0.0, "fused_floor_ms": 0.0})
+            a["replaces"].update(dict.fromkeys(r.op.split("::")[-1] for r in run))
+            a["instances"].add(module)
+            a["phases"].add(phase)
+            for r in run:
+                a["shapes"][(r.op, r.module, r.phase)].add((r.shapes, r.dtypes))
+            a["calls"] += len(run) / steps
+            if measured:
+                a["today_ms"] += sum(r.ms or 0.0 for r in run) / steps
+            a["floor_sum_ms"] += sum(place(_cost(r), ceilings).floor_ms for r in run) / steps
+            a["fused_floor_ms"] += _fused_floor_ms(run, ceilings)[0] / steps
+    out = []
+    for a in agg.values():
+        a["instances"], a["phases"] = len(a["instances"]), "+".join(sorted(a["phases"], reverse=True))
+        a["distinct_shapes"] = max(len(v) for v in a.pop("shapes").values())
+        ops = list(a["replaces"])
+        a["replaces"] = a["in"] if a["via"] == "module" else ("+" if a["via"] == "pattern" else ", ").join(ops)
+        base = a["today_ms"] if measured else a["floor_sum_ms"]
+        a["saving_ms"] = max(0.0, base - a["fused_floor_ms"] / KERNEL_EFFICIENCY)
+        a["share_pct"] = 100.0 * base / gpu_ms if gpu_ms else 0.0
+        a["saving_pct"] = 100.0 * a["saving_ms"] / gpu_ms if gpu_ms else 0.0
+        out.append(a)
+    return sorted(out, key=lambda a: -a["saving_ms"])
+
+
+def fusible_chains(per_step, ceilings: Ceilings, reg: _Registry | None, measured: bool, gpu_ms: float,
+                   assign: dict | None = None, min_len: int = 2) -> list[dict]:
+    """Runs of consecutive memory-bound calls between matmuls, each with today's time (the summed floors
+    when predicted) and the floor of doing it as one kernel: only the chain's true inputs and outputs
+    cross HBM (tensors produced and consumed inside the chain stay on chip)."""
+    first = per_step[0] if per_step else []
+    same_layout = all(len(s) == len(first) and all(a.op == b.op for a, b in zip(s, first)) for s in per_step)
     chains, run = [], []
 
     def close():
         if len(run) >= min_len:
-            produced = {k for r in run for k in r.out_keys}
-            consumed = {k for r in run for k in r.in_keys}
-            # Each distinct tensor once, however many ops of the chain read it.
-            true_in = sum({k: b for r in run for k, b in zip(r.in_keys, r.in_sizes) if k not in produced}.values())
-            true_out = sum({k: b for r in run for k, b in zip(r.out_keys, r.out_sizes) if k not in consumed}.values())
-            fused = (true_in + true_out) / (ceilings.copy_gbps * 1e9) * 1e3
-            today_floor = sum(r.bytes for r in run) / (ceilings.copy_gbps * 1e9) * 1e3
-            today = sum(r.ms for r in run) if all(r.ms is not None for r in run) else None
-            chains.append({"ops": [r.op for r in run], "module": run[0].module, "n": len(run),
-                           "today_ms": today, "today_floor_ms": today_floor, "fused_floor_ms": fused,
-                           "bytes_today": sum(r.bytes for r in run), "bytes_fused": true_in + true_out})
+            fused, nbytes = _fused_floor_ms([r for _, r in run], ceilings)
+            today_bytes = sum(r.bytes for _, r in run)
+            if nbytes < today_bytes:
+                floor_sum = sum(place(_cost(r), ceilings).floor_ms for _, r in run)
+                today = None
+                if measured:
+                    steps = per_step if same_layout else [first]
+                    today = sum((s[i].ms or 0.0) for s in steps for i, _ in run) / len(steps)
+                base = today if measured else floor_sum
+                saving = max(0.0, base - fused / KERNEL_EFFICIENCY)
+                recs = [r for _, r in run]
+                chains.append({
+                    "ops": [r.op for r in recs], "n": len(recs), "phase": recs[0].phase,
+                    "modules": list(dict.fromkeys(r.module for r in recs)),
+                    "today_ms": today, "floor_sum_ms": floor_sum, "fused_floor_ms": fused,
+                    "bytes_today": today_bytes, "bytes_fused": nbytes, "saving_ms": saving,
+                    "saving_pct": 100.0 * saving / gpu_ms if gpu_ms else 0.0,
+                    "recommendation": reg.chain_match(recs) if reg else "",
+                    # the registry op(s) that already replace every call of the chain (reported there)
+                    "covered_by": sorted({assign[id(r)][0] for r in recs}) if assign and all(
+                        id(r) in assign for r in recs) else []})
         run.clear()
 
-    for r in step_records:
-        if is_matmul(r.op) or r.bytes == 0 or not hasattr(r, "in_keys"):
+    for i, r in enumerate(first):
+        if (r.kernels is not None and not r.kernels) or r.bytes == 0:
+            continue  # ran on the CPU or moved nothing: neither part of a chain nor a break in one
+        if is_matmul(r.op) or place(_cost(r), ceilings).regime == "compute":
             close()
-        else:
-            run.append(r)
+            continue
+        if run and run[-1][1].phase != r.phase:
+            close()
+        run.append((i, r))
     close()
-    chains.sort(key=lambda c: -((c["today_ms"] if c["today_ms"] is not None else c["today_floor_ms"]) - c["fused_floor_ms"]))
-    return chains
+    return sorted(chains, key=lambda c: -c["saving_ms"])
 
 
-def overhead(spans, step_ms, steps, th: Thresholds, ceilings: Ceilings, n_ops: float) -> dict:
-    """GPU idle share between kernels, from the kernels' own timestamps."""
-    if not spans or not step_ms:
-        return {}
+def _timeline_from(records: list[OpRecord], steps: int) -> list[dict]:
+    """Per-step kernel intervals from the records themselves (a saved trace without a separate run)."""
+    out = []
+    for s in range(steps):
+        ks = sorted(tuple(k) for r in records if r.step == s and r.kernels for k in r.kernels)
+        if ks:
+            out.append({"wall_us": max(e for _, e in ks) - ks[0][0], "kernels": ks})
+    return out
+
+
+def _busy_us(kernels) -> float:
     busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
+    for s, e in sorted(tuple(k) for k in kernels):
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    window = max(window, max(e for _, e in spans) - spans[0][0])
-    idle_pct = 100.0 * (1.0 - busy / window) if window else 0.0
-    idle_ms = (window - busy) / 1e3 / steps
-    return {"idle_pct": idle_pct, "idle_ms_per_step": idle_ms, "kernels_per_step": len(spans) / steps,
-            "launch_us": ceilings.launch_us, "bound": idle_pct >= th.overhead_pct}
+    return busy + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def predicted_overhead(records, ceilings: Ceilings, steps: int, floor_total_ms: float) -> dict:
-    launches = len(records) / steps
-    launch_ms = launches * ceilings.launch_us / 1e3
-    pct = 100.0 * launch_ms / (launch_ms + floor_total_ms) if floor_total_ms else 0.0
-    return {"predicted": True, "kernels_per_step": launches, "launch_ms_per_step": launch_ms,
-            "launch_pct_of_floor_plus_launches": pct, "bound": pct >= Thresholds().overhead_pct}
+def overhead(timeline: list[dict], th: Thresholds, ceilings: Ceilings) -> dict:
+    """GPU idle share of the step's wall time (step start to last kernel end), from kernel timestamps."""
+    if not timeline:
+        return {}
+    n = len(timeline)
+    wall = sum(t["wall_us"] for t in timeline) / n
+    busy = sum(_busy_us(t["kernels"]) for t in timeline) / n
+    kernels = sum(len(t["kernels"]) for t in timeline) / n
+    idle = max(wall - busy, 0.0)
+    gain = max(idle - kernels * GRAPH_GAP_US, 0.0)
+    idle_pct = 100.0 * idle / wall if wall else 0.0
+    return {"predicted": False, "wall_ms": wall / 1e3, "busy_ms": busy / 1e3, "idle_ms": idle / 1e3,
+            "idle_pct": idle_pct, "kernels_per_step": kernels, "graph_gain_ms": gain / 1e3,
+            "graph_gain_pct": 100.0 * gain / wall if wall else 0.0, "bound": idle_pct >= th.overhead_pct}
+
+
+def predicted_overhead(rows: list[Row], ceilings: Ceilings, th: Thresholds) -> dict:
+    """Each launch costs at least the launch floor: the share of the predicted step that floor adds
+    over the roofline floors is what CUDA graphs would take back."""
+    launch_ms = ceilings.launch_us / 1e3
+    floors = sum(r.floor_ms for r in rows)
+    kernels = sum(r.calls for r in rows)
+    with_launch = sum(r.calls * max(r.floor_ms / r.calls, launch_ms) for r in rows if r.calls)
+    pct = 100.0 * (with_launch - floors) / with_launch if with_launch else 0.0
+    gain = max(with_launch - floors - kernels * GRAPH_GAP_US / 1e3, 0.0)
+    return {"predicted": True, "kernels_per_step": kernels, "launch_us": ceilings.launch_us,
+            "floor_ms": floors, "with_launch_floor_ms": with_launch, "idle_pct": pct, "graph_gain_ms": gain,
+            "graph_gain_pct": 100.0 * gain / with_launch if with_launch else 0.0, "bound": pct >= th.overhead_pct}
+
+
+def _short_ops(ops, n=6) -> str:
+    names = [o.replace("aten::", "") for o in ops]
+    return " -> ".join(names[:n]) + (f" ... ({len(names)} ops)" if len(names) > n else "")
 
 
 def _findings(rep: Report, th: Thresholds) -> list[str]:
     out = []
-    unit = "ms" if rep.measured else "ms (floor)"
-    for r in rep.rows[:40]:
-        if r.verdict.startswith(("KERNEL", "candidate")) and r.recommendation:
-            gain = f", projected saving {r.saving_ms:.3f} ms/step" if r.saving_ms is not None else ""
-            out.append(f"{r.op} in {r.module or '<top>'} ({r.shapes}): {r.share_pct:.1f}% of the step, "
-                       f"{r.regime}-bound -> kernelkit.{r.recommendation}{gain}")
-    for c in rep.chains[:5]:
-        today = c["today_ms"] if c["today_ms"] is not None else c["today_floor_ms"]
-        if today > 1.2 * c["fused_floor_ms"]:
-            out.append(f"fusible chain of {c['n']} memory-bound ops in {c['module'] or '<top>'} "
-                       f"({' -> '.join(o.replace('aten::', '') for o in c['ops'][:6])}{' ...' if c['n'] > 6 else ''}): "
-                       f"{today:.3f} {unit} today, {c['fused_floor_ms']:.3f} ms fused floor")
+    pred = "" if rep.measured else " (predicted: at least, since eager time is taken at its floor)"
+    for k in rep.kernels:
+        if k["saving_pct"] >= th.chain_pct or k["share_pct"] >= th.hot_pct:
+            today = f"{k['today_ms']:.3f} ms" if rep.measured else f"{k['floor_sum_ms']:.3f} ms of floors"
+            where = "" if k["via"] == "module" else f" in {k['in']}"
+            unstable = f", {k['distinct_shapes']} distinct shapes" if k["distinct_shapes"] > th.max_shapes else ""
+            out.append(f"kernelkit.{k['kernel']} replaces {k['replaces']}{where} ({k['instances']} instance(s), "
+                       f"{k['phases']}{unstable}): {today} today -> fused floor {k['fused_floor_ms']:.3f} ms; "
+                       f"projected saving "
+                       f"{k['saving_ms']:.3f} ms/step ({k['saving_pct']:.1f}%){pred}")
+    for r in rep.rows:
+        if r.verdict.startswith(("KERNEL", "candidate")) and not r.recommendation:
+            if not rep.measured and r.regime == "compute":
+                continue  # a library GEMM at its predicted floor says nothing; summarized below
+            at = f" at {r.pct_roof:.0f}% of roof" if r.pct_roof is not None else ""
+            out.append(f"{r.verdict.split(':')[0]}: {r.op} in {r.module or '<top>'} [{r.phase}] ({r.shapes}), "
+                       f"{r.share_pct:.1f}% of the step, {r.regime}-bound{at}; kernelkit has no kernel for it")
+            if sum(f.startswith(("KERNEL", "candidate")) for f in out) >= 8:
+                break
+    if not rep.measured:
+        mm = sum(r.share_pct for r in rep.rows if r.regime == "compute")
+        out.append(f"compute-bound ops (matmuls, attention) are {mm:.0f}% of the predicted step at their floor; "
+                   f"only a measurement on the GPU shows how far below the roof they run")
+    for c in [c for c in rep.chains if not c["covered_by"]][:5]:
+        if c["saving_pct"] >= th.chain_pct:
+            mods = [m.split(":")[0] or "<top>" for m in c["modules"]]
+            where = mods[0] if len(mods) == 1 else f"{mods[0]} .. {mods[-1]}"
+            today = f"{c['today_ms']:.3f} ms today" if rep.measured else f"{c['floor_sum_ms']:.3f} ms of floors"
+            rec = f"; kernelkit.{c['recommendation']} fuses it" if c["recommendation"] else ""
+            out.append(f"fusible chain of {c['n']} memory-bound ops [{c['phase']}] in {where} "
+                       f"({_short_ops(c['ops'])}): {today}, fused floor "
+                       f"{c['fused_floor_ms']:.3f} ms ({c['bytes_fused'] / 1e6:.1f} of "
+                       f"{c['bytes_today'] / 1e6:.1f} MB); "
+                       f"saving {c['saving_ms']:.3f} ms/step{rec}")
     o = rep.overhead
     if o.get("bound"):
-        if o.get("predicted"):
-            out.append(f"overhead: {o['kernels_per_step']:.0f} launches/step x {rep.overhead.get('launch_ms_per_step', 0) / max(o['kernels_per_step'], 1) * 1e3:.1f} us "
-                       f"= {o['launch_pct_of_floor_plus_launches']:.0f}% of the predicted step: use CUDA graphs or "
-                       f"torch.compile(mode='reduce-overhead')")
-        else:
-            out.append(f"overhead: the GPU idles {o['idle_pct']:.0f}% of the step between kernels "
-                       f"({o['idle_ms_per_step']:.3f} ms/step): CUDA graphs or torch.compile(mode='reduce-overhead') "
-                       f"would recover up to that")
+        what = "launch floors take" if o["predicted"] else "the GPU idles between kernels for"
+        out.append(f"launch overhead: {what} {o['idle_pct']:.0f}% of the step "
+                   f"({o['kernels_per_step']:.0f} kernels/step); "
+                   f"CUDA graphs or torch.compile(mode='reduce-overhead') would recover about "
+                   f"{o['graph_gain_ms']:.3f} ms/step ({o['graph_gain_pct']:.0f}%)")
+    un = sum(u["share_pct"] for u in rep.unattributed)
+    if un >= 5.0:
+        out.append(f"{un:.0f}% of GPU time ran outside any recorded op (top: {rep.unattributed[0]['what']})")
     return out

@@ -3,74 +3,116 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 
-def _load(target: str):
-    path, _, func = target.partition(":")
-    if not func:
-        raise typer.BadParameter(f"expected FILE.py:FUNCTION, got {target!r}")
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    if spec is None or not Path(path).exists():
-        raise typer.BadParameter(f"no such file: {path}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not hasattr(mod, func):
-        raise typer.BadParameter(f"{path} has no function {func!r}")
-    got = getattr(mod, func)()
-    if not (isinstance(got, tuple) and len(got) == 2):
-        raise typer.BadParameter(f"{target} must return (model, inputs); got {type(got).__name__}")
+class _UserError(Exception):
+    """The user's file, function or model failed: reported in one paragraph, no traceback."""
+
+
+def _why(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:600]}{'...' if len(msg) > 600 else ''}"
+
+
+def load_target(target: str):
+    """(model, inputs) from FILE.py:FUNCTION; any failure is a _UserError naming the file and function."""
+    path, sep, func = target.rpartition(":")
+    if not sep or not path or not func:
+        raise _UserError(f"expected FILE.py:FUNCTION, got {target!r}")
+    if not Path(path).is_file():
+        raise _UserError(f"no such file: {path}")
+    try:
+        spec = importlib.util.spec_from_file_location(f"kernelkit_target_{Path(path).stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(Path(path).resolve().parent))  # the file's own imports of its neighbours
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.pop(0)
+    except Exception as e:
+        raise _UserError(f"importing {path} failed: {_why(e)}") from None
+    fn = getattr(mod, func, None)
+    if not callable(fn):
+        raise _UserError(f"{path} has no function {func!r}")
+    try:
+        got = fn()
+    except Exception as e:
+        raise _UserError(f"{path}:{func}() failed while building the model: {_why(e)}") from None
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise _UserError(f"{path}:{func}() must return (model, inputs); it returned {type(got).__name__}")
     model, inputs = got
-    return model, inputs if isinstance(inputs, tuple) else (inputs,)
+    if not callable(model):
+        raise _UserError(f"{path}:{func}() returned a model that is not callable ({type(model).__name__})")
+    return model, inputs if isinstance(inputs, (tuple, list, dict)) else (inputs,)
 
 
 def profile_command(
     target: Optional[str] = typer.Argument(None, help="FILE.py:FUNCTION returning (model, inputs)"),
-    example: Optional[str] = typer.Option(None, help="built-in example instead of a target: llama"),
-    steps: int = typer.Option(3, help="profiled steps (after one warm-up)"),
+    example: Optional[str] = typer.Option(None, help="a built-in example instead of a target: llama"),
+    steps: int = typer.Option(3, help="profiled steps (after one warm-up step)"),
     backward: bool = typer.Option(True, help="profile the backward too"),
-    gpu: Optional[str] = typer.Option(None, help="predict for this GPU's datasheet instead of measuring"),
-    out: Path = typer.Option(Path("kernelkit-report"), help="folder for profile.json, roofline.png, report.html"),
-    hot: float = typer.Option(2.0, help="an op is hot at this % of the step or more"),
-    room: float = typer.Option(1.5, help="room above the floor: measured >= this x floor"),
-    max_shapes: int = typer.Option(4, help="stable: at most this many distinct shapes"),
+    gpu: Optional[str] = typer.Option(None, help="predict for this GPU instead of measuring (h100, a100, ...)"),
+    out: str = typer.Option("kernelkit-report", help="folder for profile.json, trace.json, roofline.png, report.html"),
+    hot: float = typer.Option(2.0, help="(b) hot: at least this % of the step's GPU time"),
+    room: float = typer.Option(1.5, help="(a) room: measured time at least this x the roofline floor"),
+    max_shapes: int = typer.Option(4, help="(c) stable: at most this many distinct shapes across steps"),
+    overhead: float = typer.Option(10.0, help="launch overhead is a finding above this % of idle GPU time"),
+    json_only: bool = typer.Option(False, "--json-only", help="write profile.json and trace.json only, print no table"),
     top: int = typer.Option(25, help="rows in the terminal table"),
 ):
     """Profile a model step: each op on the roofline with a verdict, fusible chains, launch overhead."""
     from rich.console import Console
+    from rich.markup import escape
 
-    from . import profile
-    from .analysis import Thresholds
+    from ..hw.ceilings import ceilings_for
+    from .analysis import Thresholds, analyze
     from .examples import build_example
     from .report import print_report, write_reports
+    from .trace import measure, predict
 
-    console = Console()
+    # Logs and pipes get a wide table; a terminal gets its own width.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
+
+    def fail(msg: str, code: int = 2):
+        err.print(f"[red]kernelkit profile:[/] {escape(msg)}", highlight=False)
+        raise typer.Exit(code)
+
     if (target is None) == (example is None):
-        raise typer.BadParameter("give FILE.py:FUNCTION or --example NAME (one of them)")
-    import torch
-
-    predicted = gpu is not None or not torch.cuda.is_available()
+        fail("give FILE.py:FUNCTION or --example NAME (one of them)")
     try:
-        # Predicting needs shapes, not numbers: the example is built full size on the meta device.
-        model, inputs = (build_example(example, device="meta" if predicted else None, tiny=False if predicted else None)
-                         if example else _load(target))
-    except typer.BadParameter:
-        raise
-    except Exception as e:  # the user's code failed: say where, not the profiler's internals
-        console.print(f"[red]could not build the model from {target or example!r}[/]: {type(e).__name__}: {e}")
-        raise typer.Exit(2) from None
+        ceilings, measured = ceilings_for(gpu)
+    except ValueError as e:
+        fail(str(e))
+    what = target or f"--example {example}"
     try:
-        rep = profile(model, inputs, steps=steps, backward=backward, gpu=gpu,
-                      thresholds=Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes))
-    except Exception as e:
-        console.print(f"[red]running the model from {target or example!r} failed[/]: {type(e).__name__}: {e}")
-        raise typer.Exit(2) from None
-    from ..hw.ceilings import ceilings_for
-
-    ceilings, _ = ceilings_for(gpu)
-    print_report(rep, console, top=top)
-    paths = write_reports(rep, ceilings, out)
-    console.print(f"report written: {paths['html']} (also {paths['json'].name}, {paths['png'].name})")
+        if example:
+            # Predicting needs shapes, not numbers: the example is built full size on the meta device.
+            device, tiny = (None, None) if measured else ("meta", False)
+            model, inputs = build_example(example, device=device, tiny=tiny)
+        else:
+            model, inputs = load_target(target)
+    except _UserError as e:
+        fail(str(e))
+    except ValueError as e:
+        fail(str(e))
+    try:
+        trace = measure(model, inputs, steps=steps, backward=backward) if measured else \
+            predict(model, inputs, backward=backward)
+    except Exception as e:  # the model failed: say where, not the profiler's internals
+        how = "measuring on the GPU" if measured else f"predicting for {ceilings.gpu}"
+        fail(f"running the model from {what} failed ({how}, one forward{' and backward' if backward else ''}): "
+             f"{_why(e)}. Check that the model and its inputs are on the same device and that model(*inputs) "
+             f"runs on its own.")
+    rep = analyze(trace, ceilings, Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes, overhead_pct=overhead))
+    if not json_only:
+        print_report(rep, console, top=top)
+    paths = write_reports(rep, ceilings, out, trace=trace, json_only=json_only)
+    main = paths.get("html", paths["json"])
+    others = ", ".join(p.name for k, p in paths.items() if p != main)
+    console.print(f"report written: {main}" + (f" (also {others})" if others else ""), highlight=False)

@@ -1,8 +1,14 @@
-"""FLOPs and ideal bytes of one aten op call, from its real arguments.
+"""FLOPs and ideal bytes of one aten op call, from its real arguments (or meta tensors of its shapes).
 
-FLOPs come from torch.utils.flop_counter's formulas where it has one (matmuls, convolutions, SDPA);
-everything else is counted as one operation per output element (no matrix work). Ideal bytes: every input tensor
-read once and every output written once (views of the same storage counted once).
+FLOPs: torch.utils.flop_counter's registered formulas where it has one (matmuls, convolutions, SDPA
+forward and backward), causal attention halved (the formulas count the full square). Otherwise the
+registry's per-element counts for the op families kernelkit has kernels for (softmax, norms), and about
+one operation per element touched for everything else: elementwise ops and reductions are
+memory-bound by orders of magnitude, so that count never decides a regime.
+
+Ideal bytes: every input tensor read once and every output written once. Tensors passed twice count
+once; broadcast (stride-0) dimensions are not counted; an in-place op reads and writes its target
+except where the op only writes it (fill_, zero_, copy_ into it, random fills, out= arguments).
 """
 
 from __future__ import annotations
@@ -13,70 +19,134 @@ from torch.utils.flop_counter import flop_registry
 
 from ..roofline.model import Cost, dtype_key
 
+# FLOPs per element of the (largest) input, as the registry's cost models count them: forward, backward.
+PER_ELEMENT_FLOPS = {
+    "aten::_softmax": 5.0, "aten::_log_softmax": 5.0,
+    "aten::_softmax_backward_data": 4.0, "aten::_log_softmax_backward_data": 4.0,
+    "aten::native_layer_norm": 7.0, "aten::native_layer_norm_backward": 10.0,
+    "aten::_fused_rms_norm": 4.0, "aten::_fused_rms_norm_backward": 8.0,
+}
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def tensor_bytes(tensors) -> float:
-    seen, total = set(), 0
-    for t in tensors:
-        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return float(total)
-
-
-def attention_flops(q_shape, k_shape, causal: bool) -> float:
-    """4·b·h·sq·sk·d for (b, h, s, d) q and k; halved when causal."""
-    *bh, sq, d = q_shape
-    sk = k_shape[-2]
-    b_h = 1
-    for x in bh:
-        b_h *= x
-    return 4.0 * b_h * sq * sk * d / (2.0 if causal else 1.0)
-
-
-def _arg(func, args, kwargs, name: str):
-    """An argument by schema name, positional or keyword."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            return kwargs.get(name, args[i] if i < len(args) else None)
-    return None
-
-
-def op_cost(func, args, kwargs, out) -> Cost:
-    ins = _tensors((args, kwargs))
-    outs = _tensors(out)
-    floating = [t for t in ins if t.is_floating_point()]
-    dkey = dtype_key(floating[0].dtype) if floating else "fp32"
-    flops = 0.0
-    packet = func.overloadpacket
-    name = func._schema.name
-    if packet in flop_registry:
-        try:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        except Exception:  # a formula that does not take these arguments: count bytes only
-            flops = 0.0
-    elif "scaled_dot_product" in name and len(ins) >= 2:
-        flops = attention_flops(ins[0].shape, ins[1].shape, False)
-    if "scaled_dot_product" in name and _arg(func, args, kwargs, "is_causal"):
-        flops /= 2.0  # torch's formula counts the full square; causal attention computes half of it
-    if flops == 0.0:  # elementwise / reductions: about one operation per output element
-        flops = float(sum(o.numel() for o in outs))
-    # In-place ops write an input: count that tensor once.
-    written = [o for o in outs if not any(o is i for i in ins)]
-    return Cost(flops=flops, bytes=tensor_bytes(ins) + tensor_bytes(written), dtype=dkey)
-
+# In-place ops that overwrite their target without reading it.
+_WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_", "bernoulli_",
+               "geometric_", "cauchy_", "log_normal_", "set_", "resize_", "index_fill_", "masked_fill_"}
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-              "aten::convolution", "aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention",
-              "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
-              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
-              "aten::_efficient_attention_forward"}
+              "aten::addbmm", "aten::convolution", "aten::convolution_backward", "aten::_scaled_mm",
+              "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
+              "aten::_flash_attention_backward", "aten::_efficient_attention_backward", "aten::_int_mm"}
 
 
 def is_matmul(op: str) -> bool:
-    return op in MATMUL_OPS or "scaled_dot_product" in op or "attention_backward" in op or op.endswith("mm")
+    """Ops on the tensor cores: matmuls, convolutions and fused attention (the ends of a fusible chain)."""
+    return op in MATMUL_OPS or "scaled_dot_product" in op
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def extent_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel must touch to read or write `t` once: broadcast (stride-0) dims count once."""
+    if t.numel() == 0:
+        return 0
+    try:
+        n = 1
+        for size, stride in zip(t.shape, t.stride()):
+            if stride != 0:
+                n *= size
+        return n * t.element_size()
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no strides
+        return t.numel() * t.element_size()
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    try:
+        base = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        base = id(t)
+    try:
+        stride = tuple(t.stride())
+    except (RuntimeError, NotImplementedError):
+        stride = ()
+    return base, t.storage_offset() if t.layout == torch.strided else 0, tuple(t.shape), stride, t.dtype
+
+
+def tensor_bytes(ts) -> float:
+    """Ideal bytes of a list of tensors, each distinct view counted once."""
+    seen, total = set(), 0
+    for t in ts:
+        key = _identity(t)
+        if key not in seen:
+            seen.add(key)
+            total += extent_bytes(t)
+    return float(total)
+
+
+def attention_flops(q_shape, k_shape, v_shape=None, causal: bool = False, backward: bool = False) -> float:
+    """SDPA FLOPs for (b, h, s, d) q, k, v (GQA allowed): 4·b·h·sq·sk·d forward, 2.5x that backward
+    (torch's count: the scores recomputed, four more matmuls); halved when causal."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    v_shape = v_shape or k_shape
+    if backward:
+        q = tuple(q_shape)
+        flops = sdpa_backward_flop_count(q[:-1] + (v_shape[-1],), q, tuple(k_shape), tuple(v_shape))
+    else:
+        flops = sdpa_flop_count(tuple(q_shape), tuple(k_shape), tuple(v_shape))
+    return float(flops) / (2.0 if causal else 1.0)
+
+
+def arg(func, args, kwargs, name: str):
+    """An argument of an aten call by its schema name, positional or keyword."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else a.default_value if a.has_default_value() else None)
+    return None
+
+
+def matmul_dtype(dtype: torch.dtype) -> str:
+    """fp32 matmuls run on the tf32 tensor cores when PyTorch allows it."""
+    key = dtype_key(dtype)
+    if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return key
+
+
+def op_cost(func, args, kwargs, out) -> Cost:
+    """Cost of one call of the aten op `func` with these arguments and this result."""
+    name = func._schema.name
+    ins, outs = tensors((args, kwargs)), tensors(out)
+    floating = [t for t in ins if t.is_floating_point()] or [t for t in outs if t.is_floating_point()]
+    dkey = dtype_key(floating[0].dtype) if floating else "fp32"
+    if is_matmul(name) and floating and "attention" not in name and "scaled_dot" not in name:
+        dkey = matmul_dtype(floating[0].dtype)
+
+    flops = 0.0
+    if func.overloadpacket in flop_registry:
+        try:
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take these arguments: fall through to the counts below
+            flops = 0.0
+    q, k, v = (arg(func, args, kwargs, n) for n in ("query", "key", "value"))
+    if not flops and "attention" in name and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        try:  # the CPU's flash kernel, and any variant the formulas do not list
+            flops = attention_flops(q.shape, k.shape, v.shape, backward="backward" in name)
+        except Exception:
+            flops = 0.0
+    if flops and "attention" in name and arg(func, args, kwargs, "is_causal"):
+        flops /= 2.0
+    if not flops:
+        elems = max([t.numel() for t in ins + outs], default=0)
+        flops = PER_ELEMENT_FLOPS.get(name, 1.0) * elems
+
+    # Reads: inputs, less in-place targets that are only written and out= buffers.
+    written_args = set()
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = kwargs.get(a.name, args[i] if i < len(args) and not a.kwarg_only else None)
+            base = func._schema.name.split("::")[-1]
+            if isinstance(v, torch.Tensor) and (a.kwarg_only or base in _WRITE_ONLY):
+                written_args.add(id(v))
+    reads = [t for t in ins if id(t) not in written_args]
+    return Cost(flops=flops, bytes=tensor_bytes(reads) + tensor_bytes(outs), dtype=dkey)

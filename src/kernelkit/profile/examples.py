@@ -95,17 +95,25 @@ class TinyLlama(nn.Module):
 
 
 def build_example(name: str = "llama", device: str | None = None, tiny: bool | None = None):
-    """(model, inputs) for a built-in example: full size on a GPU (bf16), tiny on the CPU."""
+    """(model, inputs) for a built-in example; `model(*inputs)` returns the scalar loss.
+
+    llama: 4 decoder layers (RMSNorm, RoPE, GQA attention through F.scaled_dot_product_attention,
+    SwiGLU MLP), lm_head and cross-entropy, random weights. Full size (hidden 2048, 16 heads over 4 kv
+    heads, MLP 5632, vocab 32000, batch 4 x seq 2048, bf16) on a GPU or the meta device (shapes only,
+    for predicted mode); tiny (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU.
+    """
     if name != "llama":
         raise ValueError(f"unknown example {name!r}; available: llama")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = (device != "cuda") if tiny is None else tiny
     torch.manual_seed(0)
     if tiny:
-        cfg, batch, seq, dtype = dict(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, hidden=160), 2, 32, torch.float32
+        cfg = {"vocab": 512, "dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "hidden": 160}
+        batch, seq, dtype = 2, 32, torch.float32
     else:
         cfg, batch, seq, dtype = dict(), 4, 2048, torch.bfloat16
-    model = TinyLlama(**cfg).to(device=device, dtype=dtype)
+    with torch.device(device):  # weights born where they live: no 250M-parameter init on the CPU first
+        model = TinyLlama(**cfg).to(dtype=dtype)
     ids = torch.randint(0, cfg.get("vocab", 32000), (batch, seq), device=device)
     labels = torch.randint(0, cfg.get("vocab", 32000), (batch, seq), device=device)
     return model, (ids, labels)

@@ -1,5 +1,5 @@
 """The profiler's outputs: a rich table and findings in the terminal, JSON, a roofline PNG and one
-self-contained HTML page."""
+self-contained HTML page (the PNG inlined as base64, no external assets)."""
 
 from __future__ import annotations
 
@@ -10,77 +10,161 @@ from pathlib import Path
 
 from ..hw.ceilings import Ceilings
 from ..roofline.plot import roofline_png
-from .analysis import Report
+from .analysis import Report, Row
+from .trace import Trace
 
 
-def _f(v, spec):
+def _f(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _short(verdict: str) -> str:
-    """'candidate: room ? (predicted), hot yes, stable yes' -> 'candidate R? H+ S+'."""
-    head, _, rest = verdict.partition(": ")
-    marks = {"yes": "+", "no": "-"}
-    parts = [p.split()[0][0].upper() + (marks.get(p.split()[1], "?")) for p in rest.split(", ") if p]
-    return f"{head} {' '.join(parts)}"
+def _verdict_marks(r: Row) -> str:
+    """'KERNEL R+ H+ S+': R room above the floor, H hot, S stable shape."""
+    m = {True: "+", False: "-", None: "?"}
+    return f"{r.verdict.split(':')[0]} R{m[r.room]} H{m[r.hot]} S{m[r.stable]}"
+
+
+def _module(r: Row, width: int = 28) -> str:
+    path = r.module.split(":")[0] if r.module else "<top>"
+    path = path if len(path) <= width else "…" + path[-width + 1:]
+    return f"{path}{' (bw)' if r.phase == 'bwd' else ''}"
+
+
+def _achieved(r: Row) -> str:
+    """The rate that bounds the op: TFLOP/s when compute-bound, GB/s otherwise."""
+    if r.tflops is None:
+        return "-"
+    return f"{r.tflops:.0f} TF/s" if r.regime == "compute" else f"{r.gbps:.0f} GB/s"
+
+
+def _mode(rep: Report) -> str:
+    return "measured" if rep.measured else "PREDICTED from the datasheet (no GPU timing)"
+
+
+def _summary(rep: Report) -> str:
+    if rep.measured:
+        s = (f"step {rep.step_ms:.3f} ms wall, {rep.gpu_ms:.3f} ms of GPU kernels"
+             + (f", {rep.attributed_pct:.1f}% attributed to ops" if rep.attributed_pct is not None else ""))
+    else:
+        s = f"summed roofline floors {rep.gpu_ms:.3f} ms per step"
+    c = rep.ceilings
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in (c.get("tflops") or {}).items() if v)
+    return (f"{s}; {rep.steps} step(s). Ceilings ({c.get('source', '')}): {c.get('copy_gbps', 0):.0f} GB/s, "
+            f"{peaks} TFLOP/s, launch {c.get('launch_us', 0):.1f} us")
 
 
 def print_report(rep: Report, console=None, top: int = 25) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
-    mode = "measured" if rep.measured else "PREDICTED from the datasheet (no GPU timing)"
-    t = Table(title=f"kernelkit profile on {rep.gpu}: {mode}; step {rep.step_ms:.3f} ms"
-                    + (f", attributed {rep.attributed_pct:.1f}%" if rep.attributed_pct else ""))
-    for col in ("op", "module", "shapes", "ms" if rep.measured else "floor ms", "%", "AI", "TF/s", "GB/s",
+    t = Table(title=f"kernelkit profile on {rep.gpu}: {_mode(rep)}", caption=_summary(rep), title_justify="left")
+    right = {"calls", "ms", "floor ms", "%", "AI", "achieved", "% roof"}
+    for col in ("op", "module", "shapes", "calls", "ms" if rep.measured else "floor ms", "%", "AI", "achieved",
                 "% roof", "bound", "verdict", "kernelkit"):
-        t.add_column(col, overflow="fold", max_width=22 if col in ("module", "shapes") else None)
+        t.add_column(col, justify="right" if col in right else "left", no_wrap=True, overflow="ellipsis",
+                     max_width={"op": 26, "module": 30, "shapes": 26}.get(col))
     for r in rep.rows[:top]:
-        t.add_row(r.op.replace("aten::", ""), r.module.split(":")[0].removeprefix("layers."), r.shapes,
-                  _f(r.ms if rep.measured else r.floor_ms, ".3f"), f"{r.share_pct:.1f}", _f(r.intensity, ".0f"),
-                  _f(r.tflops, ".0f"), _f(r.gbps, ".0f"), _f(r.pct_roof, ".0f"), r.regime[:3], _short(r.verdict),
-                  r.recommendation)
+        t.add_row(escape(r.op.replace("aten::", "")), escape(_module(r)), escape(r.shapes), f"{r.calls:g}",
+                  _f(r.ms if rep.measured else r.floor_ms, ".3f"), f"{r.share_pct:.1f}", _f(r.intensity, ".1f"),
+                  _achieved(r), _f(r.pct_roof, ".0f"), r.regime, _verdict_marks(r), r.recommendation)
     console.print(t)
+    if len(rep.rows) > top:
+        console.print(f"({len(rep.rows) - top} more rows in the JSON and HTML reports)")
     console.print("verdict: R room above the floor, H hot, S stable shape (+ yes, - no, ? not measurable)")
+    for n in rep.notes:
+        console.print(f"[yellow]note:[/] {escape(n)}")
+    console.print("[bold]findings[/]" if rep.findings else "no findings above the thresholds")
     for f in rep.findings:
-        console.print(f"[bold]-[/] {f}")
+        console.print(f"[bold]-[/] {escape(f)}")
 
 
-def write_reports(rep: Report, ceilings: Ceilings, out: str | Path) -> dict[str, Path]:
+def _points(rep: Report) -> list[dict]:
+    pts = []
+    for r in rep.rows:
+        if rep.measured:
+            tflops = r.tflops
+        else:  # at the floor
+            tflops = r.flops * r.calls / (r.floor_ms * 1e-3) / 1e12 if r.floor_ms else 0.0
+        where = r.module.split(":")[0].split(".")[-1]
+        label = f"{r.op.replace('aten::', '')} {where}{' bw' if r.phase == 'bwd' else ''}"
+        pts.append({"intensity": r.intensity, "tflops": tflops, "share_pct": r.share_pct, "label": label,
+                    "regime": r.regime})
+    return pts
+
+
+def write_reports(rep: Report, ceilings: Ceilings, out: str | Path, trace: Trace | None = None,
+                  json_only: bool = False) -> dict[str, Path]:
+    """profile.json, roofline.png, report.html (and trace.json, the records, to analyze again) in `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "profile.json", "png": out / "roofline.png", "html": out / "report.html"}
+    paths = {"json": out / "profile.json"}
     paths["json"].write_text(json.dumps(rep.to_json(), indent=1, default=str))
-    points = [{"intensity": r.intensity, "share_pct": r.share_pct,
-               "tflops": r.tflops if rep.measured else (r.flops * r.calls / (r.floor_ms * 1e-3) / 1e12 if r.floor_ms else 0),
-               "label": f"{r.op.replace('aten::', '')} {r.module.split(':')[0].split('.')[-1]}"} for r in rep.rows]
-    roofline_png(points, ceilings, paths["png"],
-                 title=f"{'measured' if rep.measured else 'predicted'} roofline, {ceilings.gpu}")
-    paths["html"].write_text(_html(rep, paths["png"]))
+    if trace is not None:
+        paths["trace"] = trace.save(out / "trace.json")
+    if json_only:
+        return paths
+    paths["png"] = roofline_png(_points(rep), ceilings, out / "roofline.png",
+                                title=f"{'measured' if rep.measured else 'predicted (ops at their floor)'} "
+                                      f"roofline, {ceilings.gpu}")
+    paths["html"] = out / "report.html"
+    paths["html"].write_text(to_html(rep, paths["png"]))
     return paths
 
 
-def _html(rep: Report, png: Path) -> str:
-    img = base64.b64encode(png.read_bytes()).decode()
-    cols = ["op", "module", "shapes", "calls", "ms" if rep.measured else "floor_ms", "share_pct", "intensity",
-            "tflops", "gbps", "pct_roof", "regime", "verdict", "recommendation", "saving_ms"]
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    body = []
-    for r in rep.rows:
-        cells = []
-        for c in cols:
-            v = getattr(r, c)
-            cells.append(f"<td>{html.escape(format(v, '.4g') if isinstance(v, float) else str(v if v is not None else '-'))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
+def _table(rows: list[dict], cols: list[str]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            v = format(v, ".4g")
+        elif isinstance(v, list):
+            v = " -> ".join(str(x).replace("aten::", "") for x in v)
+        return f"<td>{html.escape('-' if v is None else str(v))}</td>"
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(cell(r.get(c)) for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def to_html(rep: Report, png: Path | None) -> str:
+    doc = rep.to_json()
+    img = (f'<img src="data:image/png;base64,{base64.b64encode(Path(png).read_bytes()).decode()}" alt="roofline" '
+           f'style="max-width:960px">') if png else ""
     findings = "".join(f"<li>{html.escape(f)}</li>" for f in rep.findings) or "<li>nothing above the thresholds</li>"
-    mode = "measured" if rep.measured else "predicted from the datasheet: no GPU timing"
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kernelkit profile</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:12px}}
-td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:nth-child(-n+3){{text-align:left}}</style></head>
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in rep.notes)
+    ms = "ms" if rep.measured else "floor_ms"
+    op_cols = ["op", "module", "phase", "shapes", "dtypes", "calls", ms, "share_pct", "intensity", "tflops", "gbps",
+               "pct_roof", "regime", "headroom_ms", "distinct_shapes", "verdict", "recommendation", "saving_ms"]
+    if not rep.measured:
+        op_cols = [c for c in op_cols if c not in ("tflops", "gbps", "pct_roof", "headroom_ms", "saving_ms")]
+    sections = [f"<h2>Findings</h2><ul>{findings}</ul>", img]
+    if doc["kernels"]:
+        sections.append("<h2>kernelkit kernels for these ops</h2>" + _table(doc["kernels"], [
+            "kernel", "replaces", "via", "in", "instances", "phases", "calls", "distinct_shapes", "today_ms",
+            "floor_sum_ms", "fused_floor_ms", "saving_ms", "saving_pct"]))
+    if doc["chains"]:
+        sections.append("<h2>Fusible chains</h2>" + _table(doc["chains"][:20], [
+            "phase", "modules", "ops", "today_ms", "floor_sum_ms", "fused_floor_ms", "bytes_today", "bytes_fused",
+            "saving_ms", "saving_pct", "recommendation"]))
+    if doc["overhead"]:
+        sections.append("<h2>Launch overhead</h2>" + _table([doc["overhead"]], list(doc["overhead"])))
+    sections.append(f"<h2>Ops ({len(rep.rows)} rows)</h2>" + _table(doc["rows"], op_cols))
+    if doc["unattributed"]:
+        sections.append("<h2>GPU time outside recorded ops</h2>"
+                        + _table(doc["unattributed"], ["what", "ms", "share_pct"]))
+    settings = {**doc["thresholds"], **doc["assumptions"]}
+    sections.append("<h2>Thresholds and assumptions</h2>" + _table([settings], list(settings)))
+    return f"""<!doctype html><html><head><meta charset="utf-8">
+<title>kernelkit profile: {html.escape(rep.gpu)}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}
+table{{border-collapse:collapse;font-size:12px;margin:.5em 0 1.5em}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right;vertical-align:top}}th{{background:#f3f3f3}}
+td:nth-child(-n+4){{text-align:left}}h2{{font-size:1.1em;margin-top:1.5em}}</style></head>
 <body><h1>kernelkit profile: {html.escape(rep.gpu)}</h1>
-<p>{mode}; {rep.steps} step(s); step {rep.step_ms:.3f} ms{f"; per-op attribution {rep.attributed_pct:.1f}% of GPU time" if rep.attributed_pct else ""}.
-Thresholds: {html.escape(json.dumps(rep.thresholds))}</p>
-<h2>Findings</h2><ul>{findings}</ul>
-<img src="data:image/png;base64,{img}" alt="roofline" style="max-width:900px">
-<h2>Ops</h2><table><tr>{head}</tr>{''.join(body)}</table></body></html>"""
+<p><b>{html.escape(_mode(rep))}</b>. {html.escape(_summary(rep))}.</p>
+{f"<ul>{notes}</ul>" if notes else ""}
+{''.join(sections)}
+<p>Verdict: room above the floor (measured &ge; room &times; floor), hot (&ge; hot_pct % of the step), stable shape
+(&le; max_shapes distinct shapes). Savings assume a kernel at {rep.assumptions.get('kernel_efficiency', 0.9):.0%}
+of the roof.</p>
+</body></html>"""

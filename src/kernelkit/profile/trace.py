@@ -1,228 +1,495 @@
-"""Collect one record per aten op call of a model step: shapes, dtypes, module path, FLOPs, ideal bytes,
-and (on a GPU) the kernel time it caused.
+"""Collect one neutral record per aten op call of a model step: op, module path, phase, shapes, dtypes,
+FLOPs, ideal bytes, tensor identities and (on a GPU) the kernel intervals it caused.
 
-Two collectors feed the same `OpRecord` list, so the analysis never knows which one ran:
-- `measure` (GPU): torch.profiler over several steps; each aten op's kernels are found through the
-  profiler's event tree, module paths through `record_function` ranges pushed by module hooks.
-- `predict` (any machine): a TorchDispatchMode that sees every aten op of one step with real shapes
-  and no timing; the roofline floor from a datasheet stands in for measured time.
+Two collectors feed the same `Trace`, so the analysis never knows which one ran:
+- `measure` (GPU): a TorchDispatchMode sees every op below autograd with its real arguments and wraps
+  each call in a profiler range `kkop::<index>`; the kernels launched inside a range are that call's
+  (kineto.py). A second, uninstrumented run of the same steps gives the timeline the launch-gap
+  overhead is read from, since the dispatch mode's own CPU time would widen the gaps.
+- `predict` (any machine): the same dispatch mode over one step on the CPU or the meta device, no
+  timing; attention is recorded as one fused (flash) call, as it runs on a GPU.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import weakref
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from .costs import op_cost
+from .costs import attention_flops, extent_bytes, op_cost, tensors
+from ..roofline.model import Cost, dtype_key
 
-# Ops that move no bytes of their own (views, metadata) and never launch a kernel.
-_FREE = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand", "aten::t", "aten::transpose",
-         "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::as_strided",
-         "aten::detach", "aten::alias", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind",
-         "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh", "aten::_to_copy_noop",
-         "aten::sym_size", "aten::sym_stride", "aten::is_same_size", "aten::result_type"}
+TRACE_FORMAT = "kernelkit-trace/1"
+
+# No kernel and no bytes of their own: factories of uninitialized memory and metadata queries.
+# (Views are recognized from the schema: their output aliases an input; these two share storage too.)
+_VIEWLIKE = {"aten::_unsafe_view", "aten::_reshape_alias"}
+_FREE = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+         "aten::lift_fresh", "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::is_same_size",
+         "aten::result_type", "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero", "aten::size",
+         "aten::stride", "aten::dim", "aten::resolve_conj", "aten::resolve_neg"}
 
 
 @dataclass
 class OpRecord:
-    op: str  # aten op name, "aten::mm"
-    module: str  # nn.Module path it ran under ("" at top level, "<backward>" in the backward)
+    """One op call. `kernels` are (start_us, end_us) on the GPU clock; None when predicted."""
+
+    op: str  # "aten::mm"
+    module: str  # "layers.0.mlp.down_proj:Linear"; "" outside every module
+    phase: str  # "fwd" or "bwd"
+    step: int
     shapes: tuple  # input tensor shapes
-    dtypes: tuple  # input tensor dtypes, as strings
+    dtypes: tuple  # input tensor dtypes, "bfloat16"
     flops: float
     bytes: float
     dtype_key: str  # which matrix peak bounds it
-    step: int = 0
-    ms: float | None = None  # GPU kernel time caused by this call; None when predicted
-    # Tensor identities (storage, offset, shape) and sizes, for finding a chain's true inputs/outputs.
+    kernels: list | None = None
+    # Tensor identities (serial numbers, views resolved to their base) and sizes in bytes: what the
+    # fused-chain floor needs to find tensors produced and consumed inside a chain.
     in_keys: tuple = ()
     in_sizes: tuple = ()
     out_keys: tuple = ()
     out_sizes: tuple = ()
 
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-class _ModulePaths:
-    """Module hooks that keep the current nn.Module path, optionally as profiler ranges."""
-
-    def __init__(self, model: torch.nn.Module, ranges: bool):
-        self.stack: list[str] = []
-        self.handles = []
-        self.ranges = ranges
-        self._open: list = []
-        for name, mod in model.named_modules():
-            # "layers.0.input_layernorm:LlamaRMSNorm": the path for people, the class for the registry
-            self.handles.append(mod.register_forward_pre_hook(self._pre(f"{name or '<model>'}:{type(mod).__name__}")))
-            self.handles.append(mod.register_forward_hook(self._post()))
-
-    def _pre(self, name):
-        def hook(mod, args):
-            self.stack.append(name)
-            if self.ranges:
-                rf = torch.profiler.record_function(f"kkmodule::{name}")
-                rf.__enter__()
-                self._open.append(rf)
-        return hook
-
-    def _post(self):
-        def hook(mod, args, out):
-            if self.stack:
-                self.stack.pop()
-            if self.ranges and self._open:
-                self._open.pop().__exit__(None, None, None)
-        return hook
-
     @property
-    def path(self) -> str:
-        return self.stack[-1] if self.stack else ""
+    def ms(self) -> float | None:
+        return None if self.kernels is None else sum(e - s for s, e in self.kernels) / 1e3
 
-    def remove(self):
-        for h in self.handles:
-            h.remove()
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "OpRecord":
+        d = dict(d)
+        d["shapes"] = tuple(tuple(s) for s in d.get("shapes", ()))
+        for k in ("dtypes", "in_keys", "in_sizes", "out_keys", "out_sizes"):
+            d[k] = tuple(d.get(k, ()))
+        d.setdefault("phase", "fwd")
+        d.setdefault("step", 0)
+        return cls(**d)
 
 
-class _Recorder(TorchDispatchMode):
-    """Sees every op below autograd. With `ranges`, wraps each in a profiler range `kkop::<index>`, so
-    the kernels it launches are attributed to exactly this record, however the op decomposes."""
+@dataclass
+class Trace:
+    """What a collector hands the analysis; JSON round-trips, so a saved trace can be analyzed again."""
 
-    def __init__(self, paths: _ModulePaths, step: int, sink: list, in_backward: Callable[[], bool],
-                 ranges: bool = False):
-        super().__init__()
-        self.paths, self.step, self.sink, self.in_backward, self.ranges = paths, step, sink, in_backward, ranges
+    records: list[OpRecord]
+    steps: int
+    measured: bool
+    # Per step, from the uninstrumented run: wall_us (step start to last kernel end) and kernels [(s, e)].
+    timeline: list[dict] = field(default_factory=list)
+    device_us: float | None = None  # all kernel time in the instrumented steps, attributed or not
+    unattributed: dict = field(default_factory=dict)  # "innermost op / kernel" -> us over all steps
+    backward: bool = True
+    notes: list[str] = field(default_factory=list)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in _FREE:
-            return func(*args, **kwargs)
-        if self.ranges:
-            with torch.profiler.record_function(f"kkop::{len(self.sink)}"):
-                out = func(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
-        cost = op_cost(func, args, kwargs, out)
-        self.sink.append(OpRecord(
-            op=name, module="<backward>" if self.in_backward() else self.paths.path,
-            shapes=tuple(tuple(t.shape) for t in ins), dtypes=tuple(str(t.dtype).replace("torch.", "") for t in ins),
-            flops=cost.flops, bytes=cost.bytes, dtype_key=cost.dtype, step=self.step,
-            in_keys=tuple(_key(t) for t in ins), in_sizes=tuple(_size(t) for t in ins),
-            out_keys=tuple(_key(t) for t in outs), out_sizes=tuple(_size(t) for t in outs)))
-        return out
+    def to_json(self) -> dict:
+        return {"format": TRACE_FORMAT, "steps": self.steps, "measured": self.measured, "backward": self.backward,
+                "device_us": self.device_us, "unattributed": self.unattributed, "timeline": self.timeline,
+                "notes": self.notes, "records": [r.to_json() for r in self.records]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Trace":
+        if d.get("format") != TRACE_FORMAT:
+            raise ValueError(f"not a kernelkit trace (format {d.get('format')!r}, expected {TRACE_FORMAT!r})")
+        return cls(records=[OpRecord.from_json(r) for r in d["records"]], steps=int(d["steps"]),
+                   measured=bool(d["measured"]), timeline=d.get("timeline") or [], device_us=d.get("device_us"),
+                   unattributed=d.get("unattributed") or {}, backward=d.get("backward", True),
+                   notes=d.get("notes") or [])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json()))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 class _TensorIds:
-    """Serial numbers for tensor objects. Addresses are no identity: a freed tensor's storage address
-    is reused by the next allocation (the caching allocator, and meta storages alike)."""
+    """Serial numbers for tensors. Addresses are no identity: a freed tensor's storage address is reused
+    by the next allocation (the caching allocator and meta storages alike). A view gets its base's id."""
 
     def __init__(self):
         self.refs: dict[int, tuple[int, weakref.ref]] = {}
+        self.alias: dict[int, int] = {}
         self.next = 0
 
     def __call__(self, t: torch.Tensor) -> int:
         hit = self.refs.get(id(t))
         if hit is not None and hit[1]() is t:
-            return hit[0]
+            return self.alias.get(hit[0], hit[0])
         self.next += 1
         self.refs[id(t)] = (self.next, weakref.ref(t))
         return self.next
 
-
-_ids = _TensorIds()
-
-
-def _key(t: torch.Tensor) -> int:
-    return _ids(t)
+    def view_of(self, view: torch.Tensor, base: torch.Tensor) -> None:
+        root = self(base)
+        self(view)
+        self.alias[self.refs[id(view)][0]] = root
 
 
-def _size(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+_ONE_NODE = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
 
 
-def _run_step(model, inputs, backward: bool):
-    out = model(*inputs)
-    loss = out if isinstance(out, torch.Tensor) else out[0]
-    if backward:
-        if loss.dim() != 0:
-            loss = loss.float().sum()
-        loss.backward()
-    return loss
+def _path(label: str) -> str:
+    return label.rsplit(":", 1)[0] if label else ""
 
 
-def predict(model: torch.nn.Module, inputs: tuple, backward: bool = True) -> list[OpRecord]:
-    """One step under a dispatch mode: every aten op with shapes, FLOPs and bytes, no timing."""
-    records: list[OpRecord] = []
-    paths = _ModulePaths(model, ranges=False)
-    phase = {"bwd": False}
-    try:
-        with _Recorder(paths, 0, records, lambda: phase["bwd"]):
-            out = model(*inputs)
-            loss = out if isinstance(out, torch.Tensor) else out[0]
-            if backward:
-                phase["bwd"] = True
-                (loss if loss.dim() == 0 else loss.float().sum()).backward()
-    finally:
-        paths.remove()
-    return records
+def _inside(label: str, outer: str) -> bool:
+    """Is module `label` inside module `outer` (the root "<model>" holds every module)?"""
+    p, o = _path(label), _path(outer)
+    return o == "<model>" or p.startswith(o + ".")
 
 
-def measure(model: torch.nn.Module, inputs: tuple, steps: int = 3, warmup: int = 1, backward: bool = True
-            ) -> tuple[list[OpRecord], list[tuple[float, float]], float]:
-    """Profile `steps` steps on the GPU.
+class _ModuleTracker:
+    """The nn.Module an op runs under, forward and backward.
 
-    Returns (records with kernel ms, every kernel's (start_us, end_us), GPU time per step in ms from
-    the first kernel's start to the last one's end). Shapes, FLOPs and bytes come from the dispatch
-    mode running in the same steps; kernel times from torch.profiler, matched to those calls in
-    order per (step, op name).
+    Forward: a stack pushed and popped by module hooks. Backward: a module is entered when the
+    gradients of its outputs are ready and left when those of its inputs are (multi-grad hooks), or,
+    for a Linear or convolution, once its parameters' gradients are accumulated: one autograd node
+    computes all its gradients, while its input's gradient may wait for other consumers. An op
+    belongs to the most recently entered module not yet left; modules entered together (an output
+    shared by a module and its last submodule) stack innermost on top.
     """
-    from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(warmup):
-        _run_step(model, inputs, backward)
+    def __init__(self, model):
+        self.fwd: list[str] = []
+        self.bwd: list[str] = []
+        self.started = False
+        self.handles, self.grad_hooks = [], []
+        self.root = f"<model>:{type(model).__name__}" if isinstance(model, torch.nn.Module) else ""
+        self.pending: dict[str, set] = {}
+        self.waiting: dict[str, set] = {}
+        if not isinstance(model, torch.nn.Module):
+            return
+        for name, mod in model.named_modules():
+            label = f"{name or '<model>'}:{type(mod).__name__}"
+            self.handles.append(mod.register_forward_pre_hook(partial(self._pre, label), with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(partial(self._post, label), with_kwargs=True))
+            params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+            if params and isinstance(mod, _ONE_NODE):
+                self.waiting[label] = {id(p) for p in params}
+                for p in params:
+                    self.handles.append(p.register_post_accumulate_grad_hook(partial(self._accumulated, label)))
+
+    def _pre(self, label, mod, args, kwargs):
+        self.fwd.append(label)
+        ts = [t for t in tensors((args, kwargs)) if t.requires_grad]
+        if ts and torch.is_grad_enabled():
+            self.grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(ts, partial(self._leave, label)))
+
+    def _post(self, label, mod, args, kwargs, out):
+        if label in self.fwd:
+            del self.fwd[len(self.fwd) - 1 - self.fwd[::-1].index(label)]
+        ts = [t for t in tensors(out) if t.requires_grad]
+        if ts and torch.is_grad_enabled():
+            self.grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(ts, partial(self._enter, label)))
+
+    def _enter(self, label, grads=None):
+        i = len(self.bwd)
+        while i > 0 and _inside(self.bwd[i - 1], label) and self.bwd[i - 1] != label:
+            i -= 1
+        self.bwd.insert(i, label)
+        if label in self.waiting:
+            self.pending[label] = set(self.waiting[label])
+
+    def _leave(self, label, grads=None):
+        if label in self.bwd:
+            del self.bwd[len(self.bwd) - 1 - self.bwd[::-1].index(label)]
+
+    def _accumulated(self, label, param):
+        left = self.pending.get(label)
+        if left is not None:
+            left.discard(id(param))
+            if not left:
+                del self.pending[label]
+                self._leave(label)
+
+    def begin_backward(self):
+        """The backward of the step starts: until a module enters, its ops are the whole model's."""
+        self.started = True
+        self.bwd = [self.root] if self.root else []
+
+    def in_backward(self) -> bool:
+        return self.started or torch._C._current_graph_task_id() != -1
+
+    @property
+    def path(self) -> str:
+        stack = self.bwd if self.in_backward() else self.fwd
+        return stack[-1] if stack else ""
+
+    def end_step(self):
+        for h in self.grad_hooks:
+            h.remove()
+        self.grad_hooks.clear()
+        self.fwd.clear()
+        self.bwd.clear()
+        self.pending.clear()
+        self.started = False
+
+    def remove(self):
+        self.end_step()
+        for h in self.handles:
+            h.remove()
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every op below autograd. With `ranges`, wraps each call in a profiler range `kkop::<index>`,
+    so the kernels it launches are charged to exactly this record however the op decomposes."""
+
+    def __init__(self, tracker: _ModuleTracker, step: int, sink: list, ids: _TensorIds, ranges: bool = False):
+        super().__init__()
+        self.tracker, self.step, self.sink, self.ids, self.ranges = tracker, step, sink, ids, ranges
+        self.muted = 0
+
+    def make(self, name: str, ins, outs, cost: Cost) -> OpRecord:
+        return OpRecord(
+            op=name, module=self.tracker.path, phase="bwd" if self.tracker.in_backward() else "fwd", step=self.step,
+            shapes=tuple(tuple(t.shape) for t in ins), dtypes=tuple(str(t.dtype).replace("torch.", "") for t in ins),
+            flops=cost.flops, bytes=cost.bytes, dtype_key=cost.dtype,
+            in_keys=tuple(self.ids(t) for t in ins), in_sizes=tuple(extent_bytes(t) for t in ins),
+            out_keys=tuple(self.ids(t) for t in outs), out_sizes=tuple(extent_bytes(t) for t in outs))
+
+    def record(self, name: str, ins, outs, cost: Cost) -> None:
+        self.sink.append(self.make(name, ins, outs, cost))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        returns = func._schema.returns
+        is_view = name in _VIEWLIKE or (bool(returns) and returns[0].alias_info is not None
+                                         and not returns[0].alias_info.is_write)
+        if self.muted or name in _FREE or is_view:
+            out = func(*args, **kwargs)
+            src = tensors((args, kwargs))
+            if is_view and src and not self.muted:
+                for o in tensors(out):
+                    self.ids.view_of(o, src[0])
+            return out
+        index = None
+        if self.ranges:
+            # The range's index is this call's slot in the record list, reserved before the call.
+            index = len(self.sink)
+            self.sink.append(None)
+            try:
+                with torch.profiler.record_function(f"kkop::{index}"):
+                    out = func(*args, **kwargs)
+            except BaseException:
+                del self.sink[index]
+                raise
+        else:
+            out = func(*args, **kwargs)
+        rec = self.make(name, tensors((args, kwargs)), tensors(out), op_cost(func, args, kwargs, out))
+        if index is None:
+            self.sink.append(rec)
+        else:
+            self.sink[index] = rec
+        return out
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Predicted mode: SDPA recorded as one fused call forward and one backward, as a GPU runs it,
+    instead of the math decomposition (two bmm around a softmax of the full score matrix) that
+    the CPU and the meta device run. The numbers are computed by that decomposition, muted."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, recorder, kw):
+        ctx.recorder, ctx.kw = recorder, kw
+        recorder.muted += 1
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        finally:
+            recorder.muted -= 1
+        ctx.save_for_backward(q, k, v, out)
+        causal = bool(kw.get("is_causal"))
+        b, h, s = q.shape[0], q.shape[-3] if q.dim() == 4 else 1, q.shape[-2]
+        lse = 4 * b * h * s  # fp32 log-sum-exp per query row, kept for the backward
+        recorder.record("aten::_scaled_dot_product_flash_attention", [q, k, v], [out],
+                        Cost(attention_flops(q.shape, k.shape, v.shape, causal),
+                             float(sum(extent_bytes(t) for t in (q, k, v, out)) + lse), dtype_key(q.dtype)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        recorder = ctx.recorder
+        recorder.muted += 1
+        try:
+            with torch.enable_grad():
+                q2, k2, v2 = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(q2, k2, v2, **ctx.kw)
+                need = [t for t in (q2, k2, v2) if t.requires_grad]
+                got = iter(torch.autograd.grad(o, need, grad_out, allow_unused=True))
+                grads = [next(got) if t.requires_grad else None for t in (q2, k2, v2)]
+        finally:
+            recorder.muted -= 1
+        causal = bool(ctx.kw.get("is_causal"))
+        b, h, s = q.shape[0], q.shape[-3] if q.dim() == 4 else 1, q.shape[-2]
+        moved = sum(extent_bytes(t) for t in (q, k, v, out, grad_out)) + 4 * b * h * s
+        moved += sum(extent_bytes(t) for t in (q, k, v))  # dq, dk, dv written
+        recorder.record("aten::_scaled_dot_product_flash_attention_backward", [grad_out, q, k, v, out],
+                        [g for g in grads if g is not None],
+                        Cost(attention_flops(q.shape, k.shape, v.shape, causal, backward=True), float(moved),
+                             dtype_key(q.dtype)))
+        return grads[0], grads[1], grads[2], None, None
+
+
+class _FusedAttention(TorchFunctionMode):
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not self.recorder.muted:
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            kw = dict(zip(names, args[3:]), **kwargs)
+            q, k, v = args[:3]
+            if kw.get("attn_mask") is None and not kw.get("dropout_p") and q.dim() == k.dim() == v.dim() == 4:
+                return _FlashAttention.apply(q, k, v, self.recorder, kw)
+        return func(*args, **kwargs)
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    return model(*inputs)
+
+
+def _loss_of(out) -> torch.Tensor | None:
+    """The tensor to call backward on: a scalar loss, `.loss` of a model output, or the first tensor."""
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        loss = out.get("loss") if isinstance(out, dict) else None
+    if not isinstance(loss, torch.Tensor):
+        found = tensors(out)
+        loss = found[0] if found else None
+    if loss is None or not loss.requires_grad:
+        return None
+    return loss if loss.dim() == 0 else loss.float().sum()
+
+
+def _run_step(model, inputs, backward: bool, tracker: _ModuleTracker | None = None) -> bool:
+    """One forward (and backward); returns whether a backward ran."""
+    out = _call(model, inputs)
+    loss = _loss_of(out) if backward else None
+    if loss is not None:
+        if tracker is not None:
+            tracker.begin_backward()
+        loss.backward()
+        return True
+    return False
+
+
+def _zero_grad(model):
+    if isinstance(model, torch.nn.Module):
         model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+
+
+def predict(model: torch.nn.Module, inputs, backward: bool = True) -> Trace:
+    """One step under the dispatch mode: every aten op with shapes, FLOPs and bytes, no timing."""
     records: list[OpRecord] = []
-    paths = _ModulePaths(model, ranges=False)
-    phase = {"bwd": False}
+    tracker = _ModuleTracker(model)
+    ran = False
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        rec = _Recorder(tracker, 0, records, _TensorIds())
+        with rec, _FusedAttention(rec):
+            ran = _run_step(model, inputs, backward, tracker)
+    finally:
+        tracker.remove()
+        _zero_grad(model)
+    notes = [] if ran or not backward else ["no backward: the output does not require grad"]
+    return Trace(records=records, steps=1, measured=False, backward=ran, notes=notes)
+
+
+def _export(prof) -> list[dict]:
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="kernelkit-trace-")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        from .kineto import load_events
+
+        return load_events(path)
+    finally:
+        os.unlink(path)
+
+
+def profiled_steps(model, inputs, steps: int, backward: bool, instrument: bool, activities, sync):
+    """Run `steps` steps under torch.profiler, each in a `kkstep::<s>` range that ends with `sync()`.
+    With `instrument`, the dispatch mode records every call (in a `kkop::<index>` range).
+    Returns (profiler, records, whether a backward ran)."""
+    from torch.profiler import profile
+
+    records: list[OpRecord] = []
+    # The plain run carries no module hooks either: its gaps between kernels are the model's own.
+    tracker, ids, ran = (_ModuleTracker(model) if instrument else None), _TensorIds(), False
+    try:
+        with profile(activities=activities) as prof:
             for s in range(steps):
                 with torch.profiler.record_function(f"kkstep::{s}"):
-                    phase["bwd"] = False
-                    with _Recorder(paths, s, records, lambda: phase["bwd"], ranges=True):
-                        out = model(*inputs)
-                        loss = out if isinstance(out, torch.Tensor) else out[0]
-                        if backward:
-                            phase["bwd"] = True
-                            (loss if loss.dim() == 0 else loss.float().sum()).backward()
-                    model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
+                    if instrument:
+                        with _Recorder(tracker, s, records, ids, ranges=True):
+                            ran = _run_step(model, inputs, backward, tracker)
+                        tracker.end_step()
+                    else:
+                        ran = _run_step(model, inputs, backward)
+                    _zero_grad(model)
+                    sync()
     finally:
-        paths.remove()
-    spans = _attach_kernel_times(prof.events(), records)
-    step_ms = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3 / steps if spans else 0.0
-    return records, spans, step_ms
+        if tracker is not None:
+            tracker.remove()
+    return prof, records, ran
 
 
-def _attach_kernel_times(events, records: list[OpRecord]) -> list[tuple[float, float]]:
-    """Give each record the device time of the kernels under its `kkop::<index>` range; return every
-    device kernel's (start, end) in us."""
-    spans = []
-    for evt in events:
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            spans.append((evt.time_range.start, evt.time_range.end))
-        elif evt.name.startswith("kkop::"):
-            i = int(evt.name.split("::")[1])
-            if i < len(records):
-                records[i].ms = evt.device_time_total / 1e3
-    for r in records:
-        r.ms = r.ms or 0.0
-    return sorted(spans)
+def measure(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, backward: bool = True) -> Trace:
+    """Profile `steps` steps on the GPU (after `warmup` untimed ones), twice: once plain for the timeline
+    (launch gaps), once under the dispatch mode for per-call kernel time, shapes, FLOPs and bytes."""
+    from torch.profiler import ProfilerActivity
+
+    from .kineto import attribute
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    for _ in range(warmup):
+        _run_step(model, inputs, backward)
+        _zero_grad(model)
+    torch.cuda.synchronize()
+
+    prof, _, ran = profiled_steps(model, inputs, steps, backward, False, activities, torch.cuda.synchronize)
+    plain = attribute(_export(prof))
+    timeline = [{"wall_us": max(st["last_end_us"] - st["start_us"], 0.0), "kernels": st["kernels"]}
+                for st in plain.steps]
+
+    prof, records, _ = profiled_steps(model, inputs, steps, backward, True, activities, torch.cuda.synchronize)
+    att = attribute(_export(prof))
+    notes = []
+    device_us = sum(e - s for st in att.steps for s, e in st["kernels"])
+    if device_us == 0.0:
+        raise RuntimeError("torch.profiler recorded no GPU kernels: is CUPTI available to this process, "
+                           "and does the model run on the GPU?")
+    for i, r in enumerate(records):
+        r.kernels = [list(k) for k in att.per_op.get(i, [])]
+    if not att.per_op:  # no launch could be tied to a range: fall back to the profiler's own event tree
+        notes.append("kernels charged through the profiler's event tree (no correlation ids in the trace)")
+        for evt in prof.events():
+            if evt.name.startswith("kkop::"):
+                i = int(evt.name.split("::")[1])
+                us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+                if i < len(records) and us:
+                    records[i].kernels = [[0.0, float(us)]]
+    if backward and not ran:
+        notes.append("no backward: the output does not require grad")
+    return Trace(records=records, steps=steps, measured=True, timeline=timeline, device_us=device_us,
+                 unattributed=dict(att.unattributed), backward=backward and ran, notes=notes)
