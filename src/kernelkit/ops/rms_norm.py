@@ -25,6 +25,9 @@ from .registry import OpSpec, optional_import, register
 
 # Longest row held in registers by one program; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
+# Longest row the fused backward holds: it keeps x, dy, w and dw per element, and past 16384
+# ptxas spills heavily (found compiling for sm_90); longer rows take the looped backward.
+MAX_FUSED_BWD_N = 16384
 # Chunk of a long row processed per loop step.
 LOOP_BLOCK_N = 4096
 
@@ -240,7 +243,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
     rstd = rstd.reshape(-1).contiguous()
     w = weight if has_w else x2
     sms = num_sms(x.device)
-    if n <= MAX_FUSED_N:
+    if n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N):
         block_n = triton.next_power_of_2(n)
         # One or two programs per SM (measured on the H100: more only adds dw partial traffic);
         # each owns one fp32 row of the dw partial.

@@ -72,8 +72,13 @@ def prune_row_tiles(max_per_thread: int, max_tile: int = 16384):
         keep = [c for c in configs
                 if (c.kwargs["ROWS"] * block_n <= max_tile or c.kwargs["ROWS"] == 1)
                 and 2 <= c.kwargs["ROWS"] * block_n / (c.num_warps * 32) <= max_per_thread]
-        if not keep:  # tiny rows: the most rows per program, fewest warps
-            keep = [min(configs, key=lambda c: (-c.kwargs["ROWS"], c.num_warps))]
+        if not keep:
+            one_row = [c for c in configs if c.kwargs["ROWS"] == 1]
+            widest = max(one_row, key=lambda c: c.num_warps)
+            if block_n / (widest.num_warps * 32) > max_per_thread:  # long rows: one row, spread widest
+                keep = [widest]
+            else:  # tiny rows: the most rows per program, fewest warps
+                keep = [min(configs, key=lambda c: (-c.kwargs["ROWS"], c.num_warps))]
         return keep
 
     return prune
