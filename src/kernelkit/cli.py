@@ -78,7 +78,10 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           modes: str = typer.Option("fwd,bwd", help="comma list of fwd, bwd, fwd+bwd"),
           out: Path = typer.Option(Path("benchmarks/results/local"), help="folder for JSON and PNG"),
           no_compile: bool = typer.Option(False, help="skip the torch.compile row"),
-          quick: bool = typer.Option(False, help="only the first bench shape")):
+          quick: bool = typer.Option(False, help="only the first bench shape"),
+          shapes: Optional[str] = typer.Option(None, help="Python list of shape tuples, e.g. '[(4, 4096, 16, 128, True)]', "
+                                                       "instead of the op's bench shapes"),
+          latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes")):
     """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors."""
     import torch
 
@@ -94,9 +97,13 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
     names = sorted(registry.all_ops()) if op == "all" else [op]
     for name in names:
         spec = registry.get(name)
-        shapes = spec.bench_shapes[:1] if quick else None
-        rows = run_suite(spec, ceilings, shapes=shapes, dtype=dtype, modes=tuple(modes.split(",")),
-                         compile=not no_compile, latency=not quick)
+        chosen = spec.bench_shapes[:1] if quick else None
+        if shapes:
+            import ast
+
+            chosen = [tuple(s) for s in ast.literal_eval(shapes)]
+        rows = run_suite(spec, ceilings, shapes=chosen, dtype=dtype, modes=tuple(modes.split(",")),
+                         compile=not no_compile, latency=latency and not quick)
         print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
                                 f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
         path = write_json(rows, out / f"{name}.json", ceilings, op=name, dtype=dtype)

@@ -4,6 +4,8 @@ The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per progr
 looped two-pass kernel for rows over MAX_FUSED_N; a persistent backward whose programs keep their
 share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
 rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
+Holding dw and db as well as w in registers makes the fused backward's limit MAX_FUSED_BWD_N, lower
+than the forward's; past it the looped backward works on dw/db partial rows meant to stay in L2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
@@ -23,7 +26,11 @@ from . import _validate
 from .registry import OpSpec, optional_import, register
 from .rms_norm import _column_sum
 
+# Longest row the forward holds in registers; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
+# The fused backward also keeps w, dw and db (3 fp32 rows) in registers: at 16384 ptxas spills
+# ~1.4 KB a thread, and at 32768 no row tile fits 32 elements a thread at all.
+MAX_FUSED_BWD_N = 8192
 LOOP_BLOCK_N = 4096
 
 
@@ -213,9 +220,11 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     w = weight if has_w else x2
     sms = num_sms(x.device)
-    fused = n <= MAX_FUSED_N
-    # One or two programs per SM, as measured for RMSNorm's backward on the H100.
-    programs = min(m, sms * (2 if (not fused or triton.next_power_of_2(n) <= 2048) else 1))
+    fused = n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N)
+    # Fused: one or two programs per SM, as measured for RMSNorm's backward on the H100. Looped:
+    # one per SM, so that the programs' dw/db partial rows and re-read rows (12 bytes a column in
+    # bf16) fit the H100's 50 MB L2 up to N ~ 30K instead of round-tripping to HBM on every row.
+    programs = min(m, sms * (2 if fused and triton.next_power_of_2(n) <= 2048 else 1))
     alloc = torch.empty if fused else torch.zeros  # the looped kernel accumulates into its partials
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
     db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
@@ -225,7 +234,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
         launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), *args, **flags,
                BLOCK_N=triton.next_power_of_2(n))
     else:
-        layer_norm_bwd_looped_kernel[(programs,)](*args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        # 16 warps: with one program per SM, as many loads in flight as two programs of 8 would have.
+        layer_norm_bwd_looped_kernel[(programs,)](*args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=16)
     dw = _column_sum(dw_part, weight) if has_w else none
     db = _column_sum(db_part, bias) if has_b else none
     return dx, dw, db
@@ -290,10 +300,13 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
                eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
-    x: (..., N) fp32/bf16/fp16, any strides; weight, bias: (N,) or None. Statistics in fp32, one
-    rounding at the end. Differentiable in x, weight and bias (dweight/dbias by two-stage reduction).
+    x: (..., N) fp32/bf16/fp16, any strides; weight, bias: (N,) or None, of any of those dtypes (fp32
+    parameters with bf16 activations are fine). One kernel computes the fp32 mean and rstd, normalizes
+    and applies the affine; y has x's dtype, rounded once. Differentiable in x, weight and bias: one
+    backward kernel writes dx and per-program dweight/dbias partials, summed by a second (in the
+    parameters' dtypes).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
         return _layer_norm_op(x, weight, bias, float(eps))[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))
 

@@ -1,10 +1,17 @@
 """Softmax and log-softmax over the last dim, forward and backward, with an optional input scale.
 
 y = softmax(scale * x) or log_softmax(scale * x). The floor is one read of x and one write of y
-(forward), one read of y and dy and one write of dx (backward). Rows up to MAX_FUSED_N sit in
-registers, several per program when short. Longer rows (vocabularies, 393216-long attention rows)
-take an online kernel: one pass keeps a running max and a rescaled running sum, a second pass writes
-y; that second read is the price of a row that fits nowhere on chip.
+(forward), one read of y and dy and one write of dx (backward); the backward never needs x.
+
+Three paths by row length N and row count M:
+- N <= MAX_FUSED_N: the row sits in registers, several rows per program when short: one HBM pass.
+- longer rows, many of them: one program per row, online statistics (running max and rescaled sum in
+  one read), then a second sweep re-reads the row and writes y.
+- longer rows, fewer than SPLIT_PROGRAMS_PER_SM per SM (a few 393216-long attention rows): one program
+  per row would leave the SMs short of bytes in flight, so each row is split into chunks. One kernel
+  writes per-chunk (max, sum) partials; a second combines a row's partials and writes its chunk,
+  walking the chunks in reverse so that it first re-reads what the first kernel read last, while
+  that is still in L2.
 """
 
 from __future__ import annotations
@@ -12,19 +19,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty_like
-from ..tune import autotune, launch, prune_row_tiles, row_tile_configs
+from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
+# Longest row held in registers by one program (32 fp32 per thread at 32 warps).
 MAX_FUSED_N = 32768
+# Chunk of a long row processed per loop step; split chunks are multiples of it (aligned vectors).
 LOOP_BLOCK_N = 4096
+# Programs per SM the split path aims for: several in flight per SM to cover HBM latency.
+SPLIT_PROGRAMS_PER_SM = 4
 LOG2E = tl.constexpr(1.4426950408889634)  # a kernel may read only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
+NEG_INF = tl.constexpr(float("-inf"))
 
 
-@autotune(row_tile_configs(), key=["N", "LOG"], prune_configs_by={"early_config_prune": prune_row_tiles(64)})
+# --- fused: whole rows in registers ---
+
+# Short rows go up to 64 per program so that even N = 32 moves a useful tile per program.
+@autotune(row_tile_configs(rows=(1, 2, 4, 8, 16, 32, 64)), key=["N", "LOG"],
+          prune_configs_by={"early_config_prune": prune_row_tiles(64)})
 @triton.jit
 def softmax_fwd_kernel(X, Y, stride_x, stride_y, M, N, scale,
                        LOG: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
@@ -33,48 +51,21 @@ def softmax_fwd_kernel(X, Y, stride_x, stride_y, M, N, scale,
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Masked lanes become -inf after the scale (a negative scale would turn a loaded -inf into +inf),
-    # so they drop out of both the max and the sum.
-    z = tl.where(mask, x * scale, float("-inf"))
+    # Base-2 logits (scale * log2(e) folded into one multiply). Masked lanes become -inf after the
+    # scale, so that a negative scale cannot turn them into +inf.
+    z = tl.where(mask, x * (scale * LOG2E), NEG_INF)
     m = tl.max(z, axis=1)
-    e = tl.exp2((z - m[:, None]) * LOG2E)
+    e = tl.exp2(z - m[:, None])
     s = tl.sum(e, axis=1)
     if LOG:
-        y = z - (m + tl.log(s))[:, None]
+        y = (z - m[:, None]) * LN2 - tl.log(s)[:, None]
     else:
-        y = e / s[:, None]
+        y = e * (1.0 / s)[:, None]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def softmax_fwd_looped_kernel(X, Y, stride_x, stride_y, N, scale, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row, y_row = X + row * stride_x, Y + row * stride_y
-    # Online pass: per-lane running max and sum, rescaled whenever the max grows.
-    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        z = tl.where(cols < N, tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) * scale, float("-inf"))
-        m_new = tl.maximum(m, z)
-        # Lanes still at -inf (nothing seen yet) contribute 0, not NaN from (-inf) - (-inf).
-        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2((m - m_new) * LOG2E))
-        s = s * alpha + tl.where(m_new == float("-inf"), 0.0, tl.exp2((z - m_new) * LOG2E))
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp2((m - m_row) * LOG2E)), axis=0)
-    lse = m_row + tl.log(s_row)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        z = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) * scale
-        if LOG:
-            y = z - lse
-        else:
-            y = tl.exp2((z - lse) * LOG2E)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=cols < N)
-
-
-@autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "LOG"],
+# The backward holds y, dy and their product per element: spilling starts past ~32 per thread.
+@autotune(row_tile_configs(rows=(1, 2, 4, 8, 16, 32, 64), warps=(4, 8, 16)), key=["N", "LOG"],
           prune_configs_by={"early_config_prune": prune_row_tiles(32)})
 @triton.jit
 def softmax_bwd_kernel(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, scale,
@@ -84,77 +75,245 @@ def softmax_bwd_kernel(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, scale,
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
     dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + rows64[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if LOG:
-        y = tl.load(Y + rows64[:, None] * stride_y + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
         dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
     else:
-        y = tl.load(Y + rows64[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
     tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], (dx * scale).to(DX.dtype.element_ty), mask=mask)
 
 
+# --- long rows: building blocks over one stretch [lo, hi) of a row ---
+
 @triton.jit
-def softmax_bwd_looped_kernel(DY, Y, DX, stride_dy, stride_y, stride_dx, N, scale,
-                              LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, N, BLOCK_N):
+def _online_stats(x_row, lo, hi, scale2, BLOCK_N: tl.constexpr):
+    """(max, sum of 2^(z - max)) of the base-2 logits z = scale2 * x over [lo, hi), in one read of x.
+
+    The max runs over tiles, the sum per lane, rescaled when the max grows: one exp2 per element.
+    Exponents are taken against a max of 0 while the max is still -inf (nothing but -inf seen), which
+    keeps -inf - -inf (NaN) out; a NaN in x reaches the sum and poisons the row, as in torch.
+    """
+    m = tl.max(tl.full([BLOCK_N], NEG_INF, tl.float32), axis=0)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        dy = tl.load(DY + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
+        ok = cols < hi
+        z = tl.where(ok, tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32) * scale2, NEG_INF)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_ref = tl.where(m_new == NEG_INF, 0.0, m_new)
+        s = s * tl.exp2(m - m_ref) + tl.exp2(z - m_ref)
+        m = m_new
+    return m, tl.sum(s, axis=0)
+
+
+@triton.jit
+def _merge_stats(m, s):
+    """Merge per-chunk (max, sum) pairs of base-2 logits into one; -inf maxima carry nothing."""
+    m_all = tl.max(m, axis=0)
+    return m_all, tl.sum(s * tl.exp2(m - tl.where(m_all == NEG_INF, 0.0, m_all)), axis=0)
+
+
+@triton.jit
+def _write_probs(x_row, y_row, lo, hi, scale2, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    # 2^(z - max) / sum rather than 2^(z - lse): z - max is exact near the max, where y is large.
+    inv_s = 1.0 / s
+    log_s = tl.log(s)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < hi
+        z = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32) * scale2
+        if LOG:
+            y = (z - m) * LN2 - log_s
+        else:
+            y = tl.exp2(z - m) * inv_s
+        tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _row_dot(dy_row, y_row, lo, hi, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum(dy * y) over [lo, hi) for softmax; sum(dy) for log-softmax (which then skips reading y)."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < hi
+        dy = tl.load(dy_row + cols, mask=ok, other=0.0).to(tl.float32)
         if LOG:
             acc += dy
         else:
-            acc += dy * tl.load(Y + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
-    c = tl.sum(acc, axis=0)
-    for start in range(0, N, BLOCK_N):
+            acc += dy * tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _write_dx(dy_row, y_row, dx_row, lo, hi, c, scale, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        dy = tl.load(DY + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = tl.load(Y + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
+        ok = cols < hi
+        dy = tl.load(dy_row + cols, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
         if LOG:
             dx = dy - tl.exp2(y * LOG2E) * c
         else:
             dx = y * (dy - c)
-        tl.store(DX + row * stride_dx + cols, (dx * scale).to(DX.dtype.element_ty), mask=cols < N)
+        tl.store(dx_row + cols, (dx * scale).to(dx_row.dtype.element_ty), mask=ok)
 
 
-def _validate_inputs(x, scale):
-    _validate.tensor(x, "x", min_dim=1)
-    if not isinstance(scale, (int, float)):
+@triton.jit
+def _chunk(pid, N, CHUNK, SPLITS):
+    """Row and [lo, hi) column range of split-path program `pid` (SPLITS chunks per row)."""
+    row = pid // SPLITS
+    lo = (pid - row * SPLITS) * CHUNK
+    return row.to(tl.int64), lo, tl.minimum(lo + CHUNK, N)
+
+
+def _loop_configs():
+    return [triton.Config({}, num_warps=w) for w in (8, 4, 16)]
+
+
+# --- long rows, one program per row ---
+
+@autotune(_loop_configs(), key=["N", "LOG"])
+@triton.jit
+def softmax_fwd_looped_kernel(X, Y, stride_x, stride_y, N, scale, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = X + row * stride_x, Y + row * stride_y
+    m, s = _online_stats(x_row, 0, N, scale * LOG2E, BLOCK_N)
+    _write_probs(x_row, y_row, 0, N, scale * LOG2E, m, s, LOG, BLOCK_N)
+
+
+@autotune(_loop_configs(), key=["N", "LOG"])
+@triton.jit
+def softmax_bwd_looped_kernel(DY, Y, DX, stride_dy, stride_y, stride_dx, N, scale,
+                              LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    dy_row, y_row, dx_row = DY + row * stride_dy, Y + row * stride_y, DX + row * stride_dx
+    c = _row_dot(dy_row, y_row, 0, N, LOG, BLOCK_N)
+    _write_dx(dy_row, y_row, dx_row, 0, N, c, scale, LOG, BLOCK_N)
+
+
+# --- long rows, few of them: each row split over SPLITS programs ---
+
+@autotune(_loop_configs(), key=["N", "SPLITS"])
+@triton.jit
+def softmax_fwd_partial_kernel(X, PART_M, PART_S, stride_x, N, CHUNK, SPLITS, scale, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    row, lo, hi = _chunk(pid, N, CHUNK, SPLITS)
+    m, s = _online_stats(X + row * stride_x, lo, hi, scale * LOG2E, BLOCK_N)
+    tl.store(PART_M + pid, m)
+    tl.store(PART_S + pid, s)
+
+
+@autotune(_loop_configs(), key=["N", "SPLITS", "LOG"])
+@triton.jit
+def softmax_fwd_split_kernel(X, Y, PART_M, PART_S, stride_x, stride_y, N, CHUNK, SPLITS, scale,
+                             LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Reverse order: the chunks the partial kernel read last are the likeliest still in L2.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    row, lo, hi = _chunk(pid, N, CHUNK, SPLITS)
+    parts = row * SPLITS + tl.arange(0, BLOCK_S)
+    ok = tl.arange(0, BLOCK_S) < SPLITS
+    m, s = _merge_stats(tl.load(PART_M + parts, mask=ok, other=NEG_INF), tl.load(PART_S + parts, mask=ok, other=0.0))
+    _write_probs(X + row * stride_x, Y + row * stride_y, lo, hi, scale * LOG2E, m, s, LOG, BLOCK_N)
+
+
+@autotune(_loop_configs(), key=["N", "SPLITS", "LOG"])
+@triton.jit
+def softmax_bwd_partial_kernel(DY, Y, PART, stride_dy, stride_y, N, CHUNK, SPLITS,
+                               LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    row, lo, hi = _chunk(pid, N, CHUNK, SPLITS)
+    tl.store(PART + pid, _row_dot(DY + row * stride_dy, Y + row * stride_y, lo, hi, LOG, BLOCK_N))
+
+
+@autotune(_loop_configs(), key=["N", "SPLITS", "LOG"])
+@triton.jit
+def softmax_bwd_split_kernel(DY, Y, DX, PART, stride_dy, stride_y, stride_dx, N, CHUNK, SPLITS, scale,
+                             LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    row, lo, hi = _chunk(pid, N, CHUNK, SPLITS)
+    parts = row * SPLITS + tl.arange(0, BLOCK_S)
+    c = tl.sum(tl.load(PART + parts, mask=tl.arange(0, BLOCK_S) < SPLITS, other=0.0), axis=0)
+    _write_dx(DY + row * stride_dy, Y + row * stride_y, DX + row * stride_dx, lo, hi, c, scale, LOG, BLOCK_N)
+
+
+# --- launchers ---
+
+def _splits(m: int, n: int, device) -> tuple[int, int]:
+    """(splits per row, chunk length) for rows longer than MAX_FUSED_N; splits == 1: one program per row.
+
+    A looped program streams one tile at a time, so an SM needs several of them to keep enough bytes
+    in flight: rows are split until there are about SPLIT_PROGRAMS_PER_SM programs per SM.
+    """
+    target = SPLIT_PROGRAMS_PER_SM * num_sms(device)
+    if m >= target:
+        return 1, n
+    splits = min(triton.cdiv(n, LOOP_BLOCK_N), triton.cdiv(target, m))
+    chunk = triton.cdiv(triton.cdiv(n, splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
+    return triton.cdiv(n, chunk), chunk
+
+
+def _check_scale(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
 
 
 def softmax_fwd(x: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch.Tensor:
-    _validate_inputs(x, scale)
-    n = x.shape[-1]
+    """Launch the forward: y = (log_)softmax(scale * x) over the last dim, x's dtype and shape."""
+    _validate.tensor(x, "x", min_dim=1)
+    _check_scale(scale)
+    n, scale = x.shape[-1], float(scale)
     y = empty_like(x)
     if x.numel() == 0:
         return y
     x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
     m = x2.shape[0]
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
-        launch(softmax_fwd_kernel, grid, (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), m, n, float(scale),
+        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)
+        launch(softmax_fwd_kernel, grid, (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), m, n, scale,
                LOG=log, BLOCK_N=triton.next_power_of_2(n))
-    else:
-        softmax_fwd_looped_kernel[(m,)](x2, y2, x2.stride(0), y2.stride(0), n, float(scale), LOG=log,
-                                        BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        return y
+    splits, chunk = _splits(m, n, x.device)
+    if splits == 1:
+        launch(softmax_fwd_looped_kernel, (m,), (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), n, scale,
+               LOG=log, BLOCK_N=LOOP_BLOCK_N)
+        return y
+    part_m = torch.empty(m * splits, dtype=torch.float32, device=x.device)
+    part_s = torch.empty(m * splits, dtype=torch.float32, device=x.device)
+    grid = (m * splits,)
+    launch(softmax_fwd_partial_kernel, grid, (n, splits, x.dtype), x2, part_m, part_s, x2.stride(0), n, chunk,
+           splits, scale, BLOCK_N=LOOP_BLOCK_N)
+    launch(softmax_fwd_split_kernel, grid, (n, splits, log, x.dtype), x2, y2, part_m, part_s, x2.stride(0),
+           y2.stride(0), n, chunk, splits, scale, LOG=log, BLOCK_N=LOOP_BLOCK_N,
+           BLOCK_S=triton.next_power_of_2(splits))
     return y
 
 
 def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch.Tensor:
-    n = y.shape[-1]
+    """Launch the backward from the forward's output y: dx = scale * y * (dy - sum(dy * y)) for
+    softmax, dx = scale * (dy - exp(y) * sum(dy)) for log-softmax."""
+    n, scale = y.shape[-1], float(scale)
     dx = empty_like(y)
     if y.numel() == 0:
         return dx
     dy2, y2, dx2 = _validate.rows_2d(dy, n), _validate.rows_2d(y, n), dx.view(-1, n)
     m = y2.shape[0]
+    strides = (dy2.stride(0), y2.stride(0), dx2.stride(0))
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
-        launch(softmax_bwd_kernel, grid, (n, log, dy.dtype, y.dtype), dy2, y2, dx2, dy2.stride(0), y2.stride(0),
-               dx2.stride(0), m, n, float(scale), LOG=log, BLOCK_N=triton.next_power_of_2(n))
-    else:
-        softmax_bwd_looped_kernel[(m,)](dy2, y2, dx2, dy2.stride(0), y2.stride(0), dx2.stride(0), n, float(scale),
-                                        LOG=log, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)
+        launch(softmax_bwd_kernel, grid, (n, log, dy.dtype, y.dtype), dy2, y2, dx2, *strides, m, n, scale,
+               LOG=log, BLOCK_N=triton.next_power_of_2(n))
+        return dx
+    splits, chunk = _splits(m, n, y.device)
+    if splits == 1:
+        launch(softmax_bwd_looped_kernel, (m,), (n, log, dy.dtype, y.dtype), dy2, y2, dx2, *strides, n, scale,
+               LOG=log, BLOCK_N=LOOP_BLOCK_N)
+        return dx
+    part = torch.empty(m * splits, dtype=torch.float32, device=y.device)
+    grid = (m * splits,)
+    launch(softmax_bwd_partial_kernel, grid, (n, splits, log, dy.dtype, y.dtype), dy2, y2, part, strides[0],
+           strides[1], n, chunk, splits, LOG=log, BLOCK_N=LOOP_BLOCK_N)
+    launch(softmax_bwd_split_kernel, grid, (n, splits, log, dy.dtype, y.dtype), dy2, y2, dx2, part, *strides, n,
+           chunk, splits, scale, LOG=log, BLOCK_N=LOOP_BLOCK_N, BLOCK_S=triton.next_power_of_2(splits))
     return dx
 
 
@@ -195,6 +354,8 @@ _softmax_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _SoftmaxFunction(torch.autograd.Function):
+    """The eager path: the same launchers as the custom op with less per-call host overhead."""
+
     @staticmethod
     def forward(ctx, x, scale, log):
         y = softmax_fwd(x, scale, log)
@@ -209,23 +370,29 @@ class _SoftmaxFunction(torch.autograd.Function):
 
 
 def _dispatch(x, scale, log):
-    if not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
-    if torch.compiler.is_compiling():
+    _check_scale(scale)
+    if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
         return _softmax_op(x, float(scale), log)
     return _SoftmaxFunction.apply(x, float(scale), log)
 
 
 def softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """softmax(scale * x) over the last dim. x: (..., N) fp32/bf16/fp16; fp32 math, one rounding.
+    """``softmax(scale * x)`` over the last dim.
 
-    Any N >= 1 (rows over 32768 take the online kernel). The backward reads only y and dy.
+    x: (..., N), N >= 1, float32/bfloat16/float16, any strides; returns x's shape and dtype. The scale
+    (attention's 1/sqrt(d), say) is fused into the load; max, exponentials and sum are fp32 and y is
+    rounded once. Rows up to 32768 are held in registers; longer rows take an online kernel (split
+    over several programs per row when there are fewer rows than SMs). The backward reads only y and
+    dy: dx = scale * y * (dy - sum(dy * y)).
     """
     return _dispatch(x, scale, False)
 
 
 def log_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """log_softmax(scale * x) over the last dim; same shapes, dtypes and paths as `softmax`."""
+    """``log_softmax(scale * x)`` over the last dim; shapes, dtypes and paths as `softmax`.
+
+    The backward reads only y and dy: dx = scale * (dy - exp(y) * sum(dy)).
+    """
     return _dispatch(x, scale, True)
 
 
@@ -248,13 +415,14 @@ def _eager_log(x, scale=1.0):
 
 
 def cost(x: torch.Tensor, scale: float = 1.0, backward: bool = False) -> Cost:
-    """Forward reads x, writes y; backward reads y and dy, writes dx."""
+    """Ideal traffic: forward reads x, writes y; backward reads y and dy, writes dx."""
     n, b = x.numel(), x.element_size()
     return Cost(flops=(4.0 if backward else 5.0) * n, bytes=(3.0 if backward else 2.0) * n * b,
                 dtype=dtype_key(x.dtype))
 
 
 def make_inputs(shape, dtype, device, generator=None):
+    # Logits of spread 3: peaked enough that the max subtraction matters, flat enough to keep every y finite.
     return (3.0 * torch.randn(shape, dtype=dtype, device=device, generator=generator),), {}
 
 
@@ -263,17 +431,19 @@ def _liger_loader():
     return None if fn is None else (lambda x, scale=1.0: fn(x * scale if scale != 1.0 else x))
 
 
-_COMMON = dict(
-    cost=cost, make_inputs=make_inputs, grad_args=(0,),
-    test_shapes=[(1, 1), (3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
-    bench_shapes=[(4096, 4096), (16384, 4096), (8192, 8192), (16384, 8192), (1024, 32768), (64, 393216)],
-    latency_shapes=[(1, 4096)],
-)
+_COMMON = {
+    "cost": cost, "make_inputs": make_inputs, "grad_args": (0,),
+    "test_shapes": [(1, 1), (3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
+    "bench_shapes": [(4096, 4096), (16384, 4096), (8192, 8192), (16384, 8192), (1024, 32768), (64, 393216)],
+    "latency_shapes": [(1, 4096)],
+}
 register(OpSpec(name="softmax", fn=softmax, reference=reference, eager=_eager,
                 competitors={"liger": _liger_loader},
                 replaces=("aten::_softmax", "aten::softmax", "Softmax"),
-                doc="softmax(scale * x) over the last dim, forward+backward, online kernel for long rows.",
+                doc="softmax(scale * x) over the last dim, forward+backward; online, row-split kernels for long rows.",
                 **_COMMON))
+# Liger has no log-softmax: only the generic rows compete.
 register(OpSpec(name="log_softmax", fn=log_softmax, reference=log_reference, eager=_eager_log,
                 replaces=("aten::_log_softmax", "aten::log_softmax", "LogSoftmax"),
-                doc="log_softmax(scale * x) over the last dim, forward+backward.", **_COMMON))
+                doc="log_softmax(scale * x) over the last dim, forward+backward; same paths as softmax.",
+                **_COMMON))

@@ -1,0 +1,297 @@
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernelkit.ops.attention as attn_mod
+from kernelkit.ops import registry
+from kernelkit.ops.attention import attention, reference
+from kernelkit.testing import check, check_spec
+from kernelkit.testing.graph import compile_as_one_node
+
+SPEC = registry.get("attention")
+DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _qkv(b, sq, sk, hq, hk, d, dtype="bfloat16", device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dt = DT[dtype] if isinstance(dtype, str) else dtype
+    shapes = [(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)] if b is not None else [(sq, hq, d), (sk, hk, d), (sk, hk, d)]
+    return [torch.randn(s, dtype=dt, device=device, generator=gen) for s in shapes]
+
+
+def _check(q, k, v, grad=True, **kw):
+    """Output, lse and the gradients of q, k, v (through both outputs) against the fp64 reference."""
+    return check(lambda q, k, v: attention(q, k, v, return_lse=True, **kw),
+                 lambda q, k, v: reference(q, k, v, return_lse=True, **kw), (q, k, v),
+                 grad_args=(0, 1, 2) if grad else ())
+
+
+# (batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, kwargs)
+CASES = [
+    (2, 37, 37, 2, 2, 32, "bfloat16", {}),
+    (1, 1, 1, 2, 2, 32, "float16", {}),
+    (2, 37, 50, 4, 2, 64, "float16", {"causal": True}),  # GQA, seq_q < seq_k: the diagonal shifts right
+    (1, 50, 23, 4, 1, 32, "bfloat16", {"causal": True}),  # MQA, seq_q > seq_k: 27 rows see no key
+    (1, 70, 70, 3, 3, 64, "bfloat16", {"causal": True, "window": 9}),
+    (1, 45, 61, 2, 2, 32, "float16", {"window": 5, "softcap": 5.0}),  # left window without causal
+    (1, 33, 33, 2, 2, 24, "bfloat16", {"causal": True, "scale": 0.3, "softcap": 2.0}),  # d 24 pads to 32
+    (1, 29, 29, 2, 1, 96, "float16", {"causal": True}),  # d 96 pads to 128
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])) + "".join(f"-{k}" for k in c[7]))
+def test_matches_fp64_reference(case, device):
+    b, sq, sk, hq, hk, d, dtype, kw = case
+    _check(*_qkv(b, sq, sk, hq, hk, d, dtype, device), **kw).raise_if_failed()
+
+
+@pytest.mark.parametrize("shape,dtype", [(s, "bfloat16") for s in SPEC.test_shapes] + [(SPEC.test_shapes[1], "float16")])
+def test_registered_shapes(shape, dtype, device):
+    check_spec(SPEC, shape, dtype, device=device, trials=1).raise_if_failed()
+
+
+def test_rows_without_keys_give_zero_and_minus_inf(device):
+    q, k, v = _qkv(1, 9, 4, 2, 2, 32, device=device)
+    o, lse = attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(o[:, :5], torch.zeros_like(o[:, :5])) and torch.isneginf(lse[..., :5]).all()
+    assert torch.isfinite(lse[..., 5:]).all()
+
+
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": 6}, {"causal": True, "window": 3, "softcap": 4.0}])
+def test_deterministic_backward_is_bitwise_reproducible(kw, device):
+    q, k, v = _qkv(2, 41, 41, 4, 2, 32, "float16", device)
+    _check(q, k, v, deterministic=True, **kw).raise_if_failed()
+
+    def grads(det):
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        o = attention(qs, ks, vs, deterministic=det, **kw)
+        return torch.autograd.grad(o, (qs, ks, vs), torch.ones_like(o))
+
+    first, second, atomic = grads(True), grads(True), grads(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for a, b in zip(first, atomic):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "window": 6}])
+def test_packed_variable_length_sequences(kw, device):
+    cu = torch.tensor([0, 5, 5, 38, 70], dtype=torch.int32, device=device)  # one empty sequence
+    q, k, v = _qkv(None, 70, 70, 4, 2, 32, device=device)
+    _check(q, k, v, cu_seqlens=cu, **kw).raise_if_failed()
+    o1 = attention(q, k, v, cu_seqlens=cu, **kw)
+    o2 = attention(q, k, v, cu_seqlens=cu, max_seqlen=33, **kw)
+    assert torch.equal(o1, o2)
+    # Each packed sequence equals the dense call on it alone.
+    dense = attention(q[None, 5:38], k[None, 5:38], v[None, 5:38], **kw)[0]
+    torch.testing.assert_close(o1[5:38], dense, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sq,kw", [(1, {}), (5, {"causal": True, "softcap": 3.0}), (16, {"causal": True, "window": 20})])
+def test_split_kv_decoding(sq, kw, device, monkeypatch):
+    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    calls = []
+    decode = attn_mod._decode
+    monkeypatch.setattr(attn_mod, "_decode", lambda *a: (calls.append(a), decode(*a))[1])
+    q, k, v = _qkv(2, sq, 70, 8, 2, 32, device=device)
+    _check(q, k, v, **kw).raise_if_failed()
+    assert calls, "the split-KV path was not taken"
+
+
+def test_decoding_splits_into_several_programs(device, monkeypatch):
+    # 300 keys, one sequence, one KV head: several splits and a real combine.
+    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    q, k, v = _qkv(1, 2, 300, 3, 1, 32, device=device)
+    _check(q, k, v, grad=False, causal=True).raise_if_failed()
+
+
+@pytest.mark.parametrize("kw", [{"causal": True}, {"causal": True, "deterministic": True, "window": 4},
+                                {"cu_seqlens": "packed", "causal": True}, {"decode": True}])
+def test_tensor_descriptor_path_in_the_interpreter(kw, device, monkeypatch):
+    # The sm_90 path (TMA tensor descriptors): the interpreter runs it with the same masks and bounds.
+    monkeypatch.setattr(attn_mod, "USE_TMA", True)
+    kw = dict(kw)
+    if kw.pop("decode", False):
+        monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+        q, k, v = _qkv(2, 3, 53, 4, 2, 48, device=device)
+    elif kw.get("cu_seqlens") == "packed":
+        kw["cu_seqlens"] = torch.tensor([0, 30, 31, 70], dtype=torch.int32, device=device)
+        q, k, v = _qkv(None, 70, 70, 4, 2, 48, device=device)
+    else:
+        q, k, v = _qkv(2, 41, 53, 4, 2, 48, device=device)
+    _check(q, k, v, **kw).raise_if_failed()
+
+
+def test_non_contiguous_inputs(device):
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _qkv(2, 30, 30, 2, 2, 32, device=device))
+    assert not q.is_contiguous()
+    _check(q, k, v, causal=True).raise_if_failed()
+    _check(q[..., ::1, :], k[:, ::2], v[:, ::2]).raise_if_failed()  # strided sequence
+
+
+def test_nan_propagates_like_torch(device):
+    q, k, v = _qkv(1, 20, 20, 2, 2, 32, "float16", device)
+    q[0, 3, 1, 5] = float("nan")
+    got, want = attention(q, k, v), reference(q, k, v)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[0, 3, 1]).all()
+
+
+def test_empty_inputs(device):
+    q, k, v = _qkv(0, 8, 8, 2, 2, 32, device=device)
+    o, lse = attention(q, k, v, return_lse=True)
+    assert o.shape == q.shape and lse.shape == (0, 2, 8)
+    q, k, v = _qkv(1, 4, 0, 2, 2, 32, device=device)
+    o, lse = attention(q, k, v, return_lse=True)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+
+def _bad(device):
+    f16 = {"dtype": torch.float16, "device": device}
+    x = torch.ones(1, 4, 2, 32, **f16)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    flat = torch.ones(4, 2, 32, **f16)
+    return [
+        ((x.float(), x.float(), x.float()), {}, "q has dtype float32; supported: bfloat16, float16"),
+        ((x, x.bfloat16(), x), {}, "k has dtype bfloat16 but q has float16"),
+        ((torch.ones(1, 4, 2, 320, **f16),) * 3, {}, "head_dim 320 is not supported: head_dim must be 1..256"),
+        ((x, x, torch.ones(1, 5, 2, 32, **f16)), {}, "k and v must have the same shape"),
+        ((x, torch.ones(1, 4, 3, 32, **f16), torch.ones(1, 4, 3, 32, **f16)), {}, "k has 3 heads, which must divide"),
+        ((x, torch.ones(2, 4, 2, 32, **f16), torch.ones(2, 4, 2, 32, **f16)), {}, "q and k must have the same batch"),
+        ((x, x, x), {"window": -1}, "window must be None or an int >= 0"),
+        ((x, x, x), {"softcap": 0.0}, "softcap must be None or a finite number > 0"),
+        ((x, x, x), {"cu_seqlens": cu}, r"q must be \(total_tokens, heads, head_dim\) with cu_seqlens"),
+        ((flat, flat, flat), {}, r"q must be \(batch, seq, heads, head_dim\)"),
+        ((flat, flat, flat), {"cu_seqlens": cu.long()}, "cu_seqlens must be an int32 tensor"),
+        ((flat, flat, flat), {"cu_seqlens": torch.tensor([0, 3], dtype=torch.int32, device=device)},
+         "cu_seqlens must start at 0, never decrease and end at total_tokens=4"),
+        ((x, x, x), {"max_seqlen": 4}, "max_seqlen goes with cu_seqlens"),
+        ((x, x, x), {"scale": -0.1}, "scale must be None or a finite number > 0"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(14))
+def test_bad_input_names_the_argument(i, device):
+    args, kw, match = _bad(device)[i]
+    with pytest.raises((TypeError, ValueError), match=match):
+        attention(*args, **kw)
+
+
+def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.ones(1, 4, 2, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q is on cpu"):
+        attention(x, x, x)
+
+
+def test_custom_op_schema_fake_tensor_and_one_graph_node(device):
+    q, k, v = _qkv(1, 19, 23, 4, 2, 32, device=device)
+    torch.library.opcheck(torch.ops.kernelkit.attention.default, (q, k, v, None, True, 5, 0.0, 0, 0.2, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda q, k, v: attention(q, k, v, causal=True), tracing_mode="fake")(q, k, v)
+    nodes = [n for n in gm.graph.nodes if "kernelkit.attention" in str(n.target)]
+    assert len(nodes) == 1, gm.graph
+    args = [x.requires_grad_() for x in (q, k, v)]
+    o = compile_as_one_node(lambda q, k, v: attention(q, k, v, causal=True), args, "attention")
+    torch.testing.assert_close(o.float(), reference(q, k, v, causal=True).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_sdpa_eager_row_matches_reference():
+    q, k, v = _qkv(2, 17, 17, 4, 2, 32, "float16")
+    torch.testing.assert_close(SPEC.eager(q.float(), k.float(), v.float(), causal=True),
+                               reference(q.float(), k.float(), v.float(), causal=True), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(b=st.integers(1, 2), sq=st.integers(1, 40), sk=st.integers(1, 40), hk=st.integers(1, 2), group=st.integers(1, 3),
+       d=st.sampled_from([16, 32, 40]), causal=st.booleans(), window=st.one_of(st.none(), st.integers(0, 12)),
+       dtype=st.sampled_from(["bfloat16", "float16"]))
+def test_random_shapes(b, sq, sk, hk, group, d, causal, window, dtype):
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    _check(*_qkv(b, sq, sk, hk * group, hk, d, dtype, device), causal=causal, window=window).raise_if_failed()
+
+
+def test_cost_counts_the_attended_area():
+    q, k, v = (torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+    full = SPEC.cost(q, k, v)
+    assert full.flops == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert full.bytes == 4 * q.numel() * 2
+    causal = SPEC.cost(q, k, v, causal=True)
+    assert causal.flops == 4 * 4 * 16 * 128 * (4096 * 4097 // 2)  # half the square plus the diagonal
+    assert SPEC.cost(q, k, v, causal=True, backward=True).flops == 2.5 * causal.flops
+    assert SPEC.cost(q, k, v, causal=True, window=255).flops == 4 * 4 * 16 * 128 * (4096 * 256 - 255 * 256 // 2)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    flat = torch.empty(10, 2, 64, dtype=torch.float16)
+    assert SPEC.cost(flat, flat, flat, cu_seqlens=cu).flops == 4 * 2 * 64 * (9 + 49)
+    shapes = SPEC.bench_shapes
+    assert len(shapes) == 24 and all(s[0] * s[1] == 16384 and s[2] * s[3] == 2048 for s in shapes)
+
+
+def test_sm90_compile_of_the_tensor_descriptor_kernels(monkeypatch):
+    """The GPU path (TMA descriptors, dq by TMA reduce, real tiles) compiles for sm_90 through ptxas."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("records launches through the Triton interpreter")
+    from kernelkit.testing import compile_check
+
+    monkeypatch.setattr(attn_mod, "USE_TMA", True)
+    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    records = []
+    with compile_check.record_launches(records):
+        q, k, v = (x.requires_grad_() for x in _qkv(1, 40, 40, 2, 1, 128))
+        attention(q, k, v, causal=True).sum().backward()
+        attention(q[:, :2].detach(), k.detach(), v.detach())
+    tiles = {"attn_fwd_kernel": (128, 128, 8, 3), "attn_bwd_dkdv_kernel": (32, 128, 8, 2),
+             "attn_decode_split_kernel": (None, 64, 4, 3)}
+    records = [r for r in compile_check.unique(records) if r["kernel"].split(":")[1] in tiles]
+    for r in records:
+        m, n, w, s = tiles[r["kernel"].split(":")[1]]
+        r["args"].update({"BLOCK_N": {"value": n}, **({"BLOCK_M": {"value": m}} if m else {})})
+        r["args"]["DQ_TMA"] = {"value": True}
+        r["options"] = {"num_warps": w, "num_stages": s}
+    assert len(records) == 3
+    failures = compile_check.compile_in_subprocess(records)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,kw", [
+    ((1, 4096, 2, 128), {}), ((1, 4096, 2, 128), {"causal": True}), ((2, 1000, 4, 64), {"causal": True}),
+    ((1, 777, 2, 256), {"causal": True}), ((1, 1024, 2, 96), {"window": 100, "causal": True}),
+    ((2, 513, 8, 128), {"softcap": 30.0, "causal": True}),
+])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_large_shapes(shape, kw, dtype, deterministic):
+    b, s, h, d = shape
+    _check(*_qkv(b, s, s, h, h, d, dtype, "cuda"), deterministic=deterministic, **kw).raise_if_failed()
+
+
+@pytest.mark.gpu
+def test_gpu_gqa_varlen_and_decoding():
+    q, k, v = _qkv(2, 1500, 1500, 8, 2, 128, "bfloat16", "cuda")
+    _check(q, k, v, causal=True).raise_if_failed()
+    cu = torch.tensor([0, 1, 700, 2048, 3000], dtype=torch.int32, device="cuda")
+    _check(*_qkv(None, 3000, 3000, 8, 2, 128, "bfloat16", "cuda"), cu_seqlens=cu, causal=True).raise_if_failed()
+    for sq in (1, 4, 16):
+        _check(*_qkv(4, sq, 8192, 32, 8, 128, "bfloat16", "cuda"), causal=True).raise_if_failed()
+    _check(*_qkv(1, 1, 65536, 8, 1, 128, "bfloat16", "cuda"), grad=False).raise_if_failed()
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_backward_bitwise():
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2048, 2048, 8, 2, 128, "bfloat16", "cuda"))
+    do = torch.randn_like(q)
+    runs = [torch.autograd.grad(attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
+            for _ in range(3)]
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 1024, 1024, 8, 8, 128, "bfloat16", "cuda"))
+    f = torch.compile(lambda q, k, v: attention(q, k, v, causal=True).float().square().sum(), fullgraph=True)
+    f(q, k, v).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
