@@ -4,6 +4,9 @@
 # (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
 #
 #   STAGES=doctor,test,sanitize,bench,profile OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+# Optional: TEST_TUNE=first (tests run the first config each pruner keeps instead of timing all),
+# BENCH_SHAPES='[(4, 4096, 16, 128, True)]' (instead of the op's bench shapes), BENCH_FLAGS="--no-compile",
+# TEST_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT in seconds per stage (per op for the last two).
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 STAGES=${STAGES:-doctor,test,sanitize,bench}
@@ -32,19 +35,21 @@ if has test; then
   elif [ "$OPS" != all ]; then for op in $OPS; do [ -f "tests/test_${op}.py" ] && sel+=("tests/test_${op}.py"); done
   else sel=(tests); fi
   log "pytest -m gpu ${sel[*]}"
-  python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
 fi
 if has sanitize; then
   for op in $([ "$OPS" = all ] && python3 -c "from kernelkit.ops import registry; print(' '.join(sorted(registry.all_ops())))" || echo $OPS); do
     log "compute-sanitizer memcheck: $op"
-    compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $KK check "$op" --small --trials 1 \
+    KERNELKIT_TUNE=first timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $KK check "$op" --small --trials 1 \
       >"$RES/sanitize-$op.log" 2>&1; echo "$op memcheck rc=$?" | tee -a "$RES/sanitize.txt"
     tail -3 "$RES/sanitize-$op.log"
   done
 fi
 if has bench; then
   for op in $([ "$OPS" = all ] && echo all || echo $OPS); do
-    log "bench $op"; $KK bench "$op" --out "$RES/bench" ${BENCH_FLAGS:-} 2>&1 | tee -a "$RES/bench.log"
+    log "bench $op"
+    timeout "${BENCH_TIMEOUT:-1800}" $KK bench "$op" --out "$RES/bench" ${BENCH_FLAGS:-} ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
+      2>&1 | tee -a "$RES/bench.log"
   done
 fi
 if has profile; then

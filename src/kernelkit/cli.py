@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -107,6 +108,9 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
                                 f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
         path = write_json(rows, out / f"{name}.json", ceilings, op=name, dtype=dtype)
+        from .tune import chosen_configs
+
+        (out / f"{name}.configs.json").write_text(json.dumps(chosen_configs(), indent=1))
         big = [r for r in rows if r.mode == "fwd" or r.mode == "bwd"]
         compute = any(r.regime == "compute" for r in rows if r.impl == "kernelkit")
         plot(big, out / f"{name}.png", metric="tflops" if compute else "gbps",

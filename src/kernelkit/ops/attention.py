@@ -168,8 +168,8 @@ def sequence_bounds(CU_SEQLENS, b, seqlen, VARLEN: tl.constexpr):
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, hk, lo, hi, offs_m, seqlen_k, shift, window, stride_kh, stride_ks,
                stride_vh, stride_vs, scale2, softcap_scale, softcap2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    for n0 in tl.range(lo, hi, BLOCK_N):
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr = False):
+    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         k = load_tile(k_src, hk, n0, seqlen_k, stride_kh, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
         s = mma(q, tl.trans(k))
         # Without softcap the scale (> 0) applies after the row max and inside the exponent's FMA.
@@ -194,34 +194,39 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, hk, lo, hi, offs_m, seqlen_k, shi
 
 
 def tile_configs(table: dict, interpreter_tile: tuple):
-    """Autotune configs and their pruner from {head-dim class: [(BLOCK_M, BLOCK_N, warps, stages), ...]}.
+    """Autotune configs and their pruner from {head-dim class: [(BLOCK_M, BLOCK_N, warps, stages[, ws]), ...]}.
 
-    The tables hold the tiles that compile for sm_90 without register spills (checked with ptxas): the
-    fp32 accumulators grow with BLOCK_D, so each head-dim class gets its own. The interpreter runs
-    one small tile, so that tiny test shapes span several blocks and every mask edge."""
+    The tables hold the tiles that compile for sm_90 (checked with ptxas); the fp32 accumulators grow
+    with BLOCK_D, so each head-dim class gets its own. A fifth entry True adds WS=True (Triton's
+    warp-specialized loop, `tl.range(..., warp_specialize=True)`). The interpreter runs one small
+    tile, so that tiny test shapes span several blocks and every mask edge."""
     if interpreting():
         m, n = interpreter_tile
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1)], None
-    shapes = list(dict.fromkeys(t for tiles in table.values() for t in tiles))
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    norm = lambda t: (*t[:4], bool(t[4]) if len(t) > 4 else False)  # noqa: E731
+    shapes = list(dict.fromkeys(norm(t) for tiles in table.values() for t in tiles))
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"WS": True} if ws else {})}, num_warps=w,
+                             num_stages=s) for m, n, w, s, ws in shapes]
+
+    def ident(c):
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, bool(c.kwargs.get("WS", False))
 
     def prune(configs, named_args, **kwargs):
         bd, seq_q, seq_k = (kwargs.get(n, named_args.get(n)) for n in ("BLOCK_D", "SEQ_Q_KEY", "SEQ_K_KEY"))
-        allowed = set(table[min(c for c in table if c >= bd)])
+        allowed = {norm(t) for t in table[min(c for c in table if c >= bd)]}
         # No tile much longer than the sequences it covers.
-        keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed
+        keep = [c for c in configs if ident(c) in allowed
                 and c.kwargs["BLOCK_M"] <= max(64, seq_q) and c.kwargs["BLOCK_N"] <= max(64, seq_k)]
-        return keep or [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                               c.num_stages) in allowed][:1]
+        return keep or [c for c in configs if ident(c) in allowed][:1]
 
     return configs, {"early_config_prune": prune}
 
 
 _FWD_CONFIGS, _FWD_PRUNE = tile_configs({
-    64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3),
-         (128, 32, 4, 4), (64, 64, 4, 4)],
-    128: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3),
-          (128, 32, 4, 4), (64, 64, 4, 2)],
+    64: [(128, 128, 8, 3), (128, 128, 8, 3, True), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3),
+         (128, 64, 8, 3), (128, 64, 8, 4, True), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)],
+    128: [(128, 128, 8, 3), (128, 128, 8, 3, True), (128, 128, 8, 2), (128, 128, 8, 2, True), (128, 64, 8, 3),
+          (128, 64, 8, 3, True), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
 }, (32, 16))
 
@@ -234,7 +239,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS, stride_qb, stride_qs, stride_qh
                     seqlen_q, seqlen_k, n_heads_q, n_heads_k, group, scale2, softcap_scale, softcap2, window,
                     SEQ_Q_KEY, SEQ_K_KEY, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr = False):
     # Query blocks in reverse: under a causal mask the last blocks are the longest, and starting them
     # first leaves the short ones to fill the tail of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -267,7 +272,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, CU_SEQLENS, stride_qb, stride_qs, stride_qh
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, *args, lo, a, *tail, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                    USE_TMA, HEAD_DIM, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, *args, a, b_, *tail, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
-                               HEAD_DIM, BLOCK_N, BLOCK_D)
+                               HEAD_DIM, BLOCK_N, BLOCK_D, WS and USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, *args, b_, hi, *tail, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_TMA,
                                HEAD_DIM, BLOCK_N, BLOCK_D)
     empty_row = l_i == 0.0

@@ -34,6 +34,7 @@ class Row:
     speedup: float | None = None  # baseline ms / this ms
     regime: str = ""
     error: str = ""
+    max_err: float | None = None  # kernelkit rows, fwd: max |out - eager| / max |eager| on the timed inputs
 
 
 def time_ms(fn: Callable[[], Any], *, cuda_graph: bool = False, rep_ms: int = 100) -> float:
@@ -130,13 +131,13 @@ def print_table(rows: list[Row], title: str = "", console=None) -> None:
     from rich.table import Table
 
     table = Table(title=title, show_lines=False)
-    for col in ("shape", "mode", "impl", "ms", "GB/s", "TFLOP/s", "% roof", "speedup"):
+    for col in ("shape", "mode", "impl", "ms", "GB/s", "TFLOP/s", "% roof", "speedup", "err"):
         table.add_column(col, justify="right" if col not in ("shape", "mode", "impl") else "left")
     for r in rows:
         style = "bold green" if r.impl == "kernelkit" else None
         table.add_row(r.shape, r.mode, r.impl, _fmt(r.ms, ".4f") or r.error[:40], _fmt(r.gbps, ".0f"),
                       _fmt(r.tflops, ".1f"), _fmt(r.pct_roof, ".1f"),
-                      (_fmt(r.speedup, ".2f") + "x") if r.speedup else "", style=style)
+                      (_fmt(r.speedup, ".2f") + "x") if r.speedup else "", _fmt(r.max_err, ".1e"), style=style)
     (console or Console()).print(table)
 
 

@@ -42,6 +42,23 @@ def _call(impl: Callable, args, kwargs, mode: str) -> Callable[[], Any]:
     return fwd_bwd
 
 
+def _relative_error(spec: OpSpec, args, kwargs) -> float | None:
+    """max |kernelkit - eager| / max |eager| over the first outputs, with the tuned configs the timing used:
+    a benchmark of a wrong kernel shows up as a large figure next to its speed."""
+    eager = spec.eager or spec.reference
+    try:
+        with torch.no_grad():
+            got, want = spec.fn(*args, **kwargs), eager(*args, **kwargs)
+        got = got if isinstance(got, torch.Tensor) else got[0]
+        want = want if isinstance(want, torch.Tensor) else want[0]
+        if not got.is_floating_point():
+            return None
+        got, want = got.double(), want.double()
+        return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception:  # noqa: BLE001 - the timing rows stand on their own
+        return None
+
+
 def implementations(spec: OpSpec, compile: bool = True) -> dict[str, Callable | Exception]:
     eager = spec.eager or spec.reference
     impls: dict[str, Callable | Exception] = {"kernelkit": spec.fn}
@@ -102,8 +119,14 @@ def run_suite(spec: OpSpec, ceilings: Ceilings, shapes: list[tuple] | None = Non
                 except Exception as e:  # noqa: BLE001
                     calls[name] = e
             label = "x".join(map(str, shape))
-            rows += compare(spec.name, label, str(dtype).replace("torch.", ""), mode, calls, cost, ceilings,
+            new = compare(spec.name, label, str(dtype).replace("torch.", ""), mode, calls, cost, ceilings,
                             baseline=baseline if baseline in calls else "kernelkit", cuda_graph=tiny)
+            if mode == "fwd":
+                err = _relative_error(spec, args0, kwargs)
+                for r in new:
+                    if r.impl == "kernelkit":
+                        r.max_err = err
+            rows += new
             del calls
         del copies, args0
         torch.cuda.empty_cache()

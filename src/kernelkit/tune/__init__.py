@@ -17,9 +17,18 @@ def interpreting() -> bool:
 
 
 def autotune(configs: list, key: list[str], **kwargs):
+    """`triton.autotune`; one config under the interpreter, and the first config the pruner keeps when
+    KERNELKIT_TUNE=first (GPU correctness runs, where timing every config of every shape costs minutes)."""
     if interpreting():
         configs = configs[:1]
         kwargs.pop("prune_configs_by", None)
+    elif os.environ.get("KERNELKIT_TUNE") == "first":
+        prune = (kwargs.get("prune_configs_by") or {}).get("early_config_prune")
+        if prune is None:
+            configs = configs[:1]
+        else:
+            kwargs["prune_configs_by"] = {**kwargs["prune_configs_by"],
+                                          "early_config_prune": lambda *a, **k: list(prune(*a, **k))[:1]}
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
@@ -39,6 +48,15 @@ def launch(kernel, grid, key: tuple, *args, **kwargs):
         _chosen[(kernel, key)] = kernel.best_config
         return out
     return kernel.fn[grid](*args, **kwargs, **cfg.all_kwargs())
+
+
+def chosen_configs() -> list[dict]:
+    """What `launch` tuned in this process: kernel, key and config, for benchmark logs."""
+    out = []
+    for (kernel, key), cfg in _chosen.items():
+        fn = getattr(kernel, "fn", kernel)
+        out.append({"kernel": getattr(fn, "__name__", str(fn)), "key": repr(key)[:300], "config": str(cfg)})
+    return out
 
 
 @functools.lru_cache(maxsize=None)
