@@ -80,6 +80,27 @@ def test_nan_in_reference_must_match():
     assert not rep.ok
 
 
+def test_tolerance_sits_on_top_of_what_the_output_dtype_can_hold():
+    from kernelkit.testing import CheckReport, compare
+    # Mostly values fp16 flushes to zero beside a few it holds: the best fp16 answer is 30% off.
+    want = torch.cat([torch.full((1000,), 1e-8, dtype=torch.float64), torch.full((1,), 1e-6, dtype=torch.float64)])
+    best = want.to(torch.float16)
+    rep = CheckReport()
+    compare(best, want, 2e-3, "g", rep)
+    assert rep.ok and rep.errors["g"] > 0.1
+    # ... but a kernel error on top of that floor is still caught, and the message names the floor.
+    off = want.clone()
+    off[-1:] *= 1.5
+    rep = CheckReport()
+    compare(off.to(torch.float16), want, 2e-3, "g", rep)
+    assert not rep.ok and "cannot represent" in rep.failures[0]
+    # Where the dtype holds the reference, the floor is zero and the tolerance is the tolerance.
+    rep = CheckReport()
+    x = torch.randn(100, dtype=torch.float64)
+    compare((x * (1 + 3e-5)).float(), x, 1e-5, "y", rep)
+    assert not rep.ok
+
+
 def test_rel_error_and_rotation_count():
     assert rel_error(torch.ones(4), torch.ones(4)) == 0
     assert rotation_count(10 << 20, 50 << 20) == 8  # small inputs rotate
