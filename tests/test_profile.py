@@ -57,6 +57,20 @@ def test_cost_models_matmuls_and_attention():
     assert sdpa.flops == 2 * (2 * 2 * 4 * 16 * 24 * 8) / 2
 
 
+def test_attention_flops_match_torch_and_take_gqa_shapes():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from kernelkit.profile.costs import attention_flops
+
+    q, k, v = (2, 8, 100, 64), (2, 8, 77, 64), (2, 8, 77, 32)
+    assert attention_flops(q, k, v) == sdpa_flop_count(q, k, v)
+    assert attention_flops(q, k, v, backward=True) == sdpa_backward_flop_count(q[:-1] + (32,), q, k, v)
+    # GQA (2 K/V heads under 8 query heads), which torch's formula refuses: the query heads' work
+    assert attention_flops(q, (2, 2, 77, 64), (2, 2, 77, 32), causal=True) == sdpa_flop_count(q, k, v) / 2
+    with pytest.raises(ValueError, match="do not fit"):
+        attention_flops(q, (2, 2, 77, 32), v)
+
+
 def test_cost_models_norms_softmax_and_elementwise():
     x, w, bb = torch.randn(16, 256), torch.randn(256), torch.randn(256)
     with _Costs() as m:

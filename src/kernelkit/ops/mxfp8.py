@@ -273,9 +273,11 @@ def reference_quantize(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e
     k = _check_last_dim(x, "x")
     blocks = x.detach().double().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # floor(log2) in fp64 is exact for every amax of an fp32/bf16/fp16 input; log2(0) = -inf clamps to -127.
-    shared = (torch.floor(torch.log2(amax)) - emax).clamp(min=-E8M0_BIAS)
-    nan_block = torch.isnan(shared) | (shared > E8M0_BIAS)  # NaN, or Inf / out of E8M0 range
+    # floor(log2(amax)) from frexp (amax = m·2^e, m in [0.5, 1)): exact on every device, where log2 is not
+    # (CUDA's fp64 log2 returns just under k for some amax = 2^k). A zero amax clamps to -127.
+    e = torch.frexp(amax).exponent.double() - 1
+    shared = torch.where(amax == 0, -float("inf"), e - emax).clamp(min=-E8M0_BIAS)
+    nan_block = ~torch.isfinite(amax) | (shared > E8M0_BIAS)  # NaN, or Inf / out of E8M0 range
     shared = torch.where(nan_block, 0.0, shared)
     p = (blocks / torch.exp2(shared)).clamp(-max_normal, max_normal)
     bits = p.float().to(elem_dtype).view(torch.uint8)

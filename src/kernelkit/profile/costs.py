@@ -84,17 +84,21 @@ def tensor_bytes(ts) -> float:
 
 
 def attention_flops(q_shape, k_shape, v_shape=None, causal: bool = False, backward: bool = False) -> float:
-    """SDPA FLOPs for (b, h, s, d) q, k, v (GQA allowed): 4·b·h·sq·sk·d forward, 2.5x that backward
-    (torch's count: the scores recomputed, four more matmuls); halved when causal."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
+    """SDPA FLOPs for (b, h, s, d) q, k, v: 2·b·h·sq·sk·(d + dv) forward (QK^T and PV), 2·b·h·sq·sk·(3d + 2dv)
+    backward (2.5x when d = dv: the scores recomputed, four more matmuls), as torch.utils.flop_counter counts them;
+    halved when causal. GQA/MQA (fewer K/V heads) counts the query heads: every query head does the
+    full work against its shared K/V head, which torch's own formula rejects as a shape mismatch."""
     v_shape = v_shape or k_shape
-    if backward:
-        q = tuple(q_shape)
-        flops = sdpa_backward_flop_count(q[:-1] + (v_shape[-1],), q, tuple(k_shape), tuple(v_shape))
-    else:
-        flops = sdpa_flop_count(tuple(q_shape), tuple(k_shape), tuple(v_shape))
-    return float(flops) / (2.0 if causal else 1.0)
+    *lead, sq, d = (int(x) for x in q_shape)
+    sk, dv = int(k_shape[-2]), int(v_shape[-1])
+    if int(k_shape[-1]) != d or int(v_shape[-2]) != sk:
+        raise ValueError(f"attention_flops: q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)} do not fit")
+    bh = 1
+    for x in lead:
+        bh *= x
+    # backward: S = QK^T recomputed, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
+    flops = 2.0 * bh * sq * sk * ((3 * d + 2 * dv) if backward else (d + dv))
+    return flops / (2.0 if causal else 1.0)
 
 
 def arg(func, args, kwargs, name: str):
