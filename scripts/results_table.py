@@ -18,7 +18,10 @@ def table(path: str) -> str:
     for r in rows:
         groups[(r["shape"], r["mode"])][r["impl"]] = r
     others = [i for i in impls if i != "kernelkit"]
+    kt = any(r.get("kernel_gbps") for r in rows)
     head = ["shape", "mode"] + [f"{i} {unit}" for i in impls] + ["kernelkit % roof"] + [f"vs {i}" for i in others]
+    if kt:  # GPU-side figures (profiler kernel time, host excluded), same impl order
+        head.append("kernel-only GB/s (" + " / ".join(impls) + ")")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (shape, mode), by in groups.items():
         kk = by.get("kernelkit", {})
@@ -30,6 +33,9 @@ def table(path: str) -> str:
         for i in others:
             a, b = kk.get("ms"), by.get(i, {}).get("ms")
             cells.append(f"{b / a:.2f}x" if a and b else "—")
+        if kt:
+            cells.append(" / ".join(f"{by[i]['kernel_gbps']:.0f}" if by.get(i, {}).get("kernel_gbps") else "—"
+                                    for i in impls))
         out.append("| " + " | ".join(cells) + " |")
     env = doc["env"]
     note = (f"\n{env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, Triton {env.get('triton')}"

@@ -82,7 +82,9 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           quick: bool = typer.Option(False, help="only the first bench shape"),
           shapes: Optional[str] = typer.Option(None, help="Python list of shape tuples, e.g. '[(4, 4096, 16, 128, True)]', "
                                                        "instead of the op's bench shapes"),
-          latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes")):
+          latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes"),
+          kernel_time: bool = typer.Option(False, help="also record each call's summed kernel time from the "
+                                                       "profiler (GPU side, host time excluded)")):
     """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors."""
     import torch
 
@@ -104,7 +106,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
 
             chosen = [tuple(s) for s in ast.literal_eval(shapes)]
         rows = run_suite(spec, ceilings, shapes=chosen, dtype=dtype, modes=tuple(modes.split(",")),
-                         compile=not no_compile, latency=latency and not quick)
+                         compile=not no_compile, latency=latency and not quick, kernel_time=kernel_time)
         print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
                                 f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
         path = write_json(rows, out / f"{name}.json", ceilings, op=name, dtype=dtype)

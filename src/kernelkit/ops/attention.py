@@ -740,6 +740,11 @@ def _sdpa_loader(backend_name):
     return load
 
 
+def _deterministic_loader():
+    """kernelkit with deterministic=True: dq from its own kernel instead of fp32 atomics (bwd cost of it)."""
+    return lambda *a, **kw: attention(*a, **kw, deterministic=True)
+
+
 def _flex_loader():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -773,7 +778,7 @@ register(OpSpec(
     latency_shapes=[(1, 1, 32, 128, False, 8192, 8), (16, 1, 32, 128, False, 4096, 8)],  # decoding, GQA 4:1
     dtypes=("bfloat16", "float16"), eager=_sdpa(), generic_rows=(), baseline="sdpa-cudnn",
     competitors={"sdpa-flash": _sdpa_loader("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_loader("CUDNN_ATTENTION"),
-                 "flex": _flex_loader},
+                 "flex": _flex_loader, "kk-deterministic": _deterministic_loader},
     replaces=("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
               "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"),
     doc="Flash attention fwd+bwd (b, s, h, d): causal (bottom-right), sliding window, softcap, GQA/MQA, "

@@ -35,6 +35,10 @@ class Row:
     regime: str = ""
     error: str = ""
     max_err: float | None = None  # kernelkit rows, fwd: max |out - eager| / max |eager| on the timed inputs
+    # GPU side only: the summed duration of the call's kernels (profiler), L2 flushed before each call.
+    # Where `ms` is well above it, the call is host-bound: Python, launches and autograd outrun the GPU.
+    kernel_ms: float | None = None
+    kernel_gbps: float | None = None
 
 
 def time_ms(fn: Callable[[], Any], *, cuda_graph: bool = False, rep_ms: int = 100) -> float:
@@ -46,6 +50,29 @@ def time_ms(fn: Callable[[], Any], *, cuda_graph: bool = False, rep_ms: int = 10
         with torch.cuda.stream(torch.cuda.Stream()):
             return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+_FLUSH_MARK = "bitwise_not"  # the flush kernel below, told apart from the timed call's kernels by name
+
+
+def kernel_time_ms(fn: Callable[[], Any], reps: int = 20) -> float | None:
+    """Mean summed device time of the kernels one call of fn launches, from torch.profiler's CUDA
+    activity, with L2 flushed (a 256 MB bitwise_not) before each call. Host time is excluded."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and _FLUSH_MARK not in e.name)
+    return total / reps / 1e3 if total > 0 else None
 
 
 def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
@@ -64,7 +91,8 @@ def rotation_count(input_bytes: int, l2_bytes: int, most: int = 8) -> int:
 
 
 def compare(op: str, shape: str, dtype: str, mode: str, impls: dict[str, Callable[[], Any] | Exception],
-            cost: Cost, ceilings: Ceilings, baseline: str | None = None, cuda_graph: bool = False) -> list[Row]:
+            cost: Cost, ceilings: Ceilings, baseline: str | None = None, cuda_graph: bool = False,
+            kernel_time: bool = False) -> list[Row]:
     """Time each implementation and place it on the roofline.
 
     `impls` maps a name to a zero-argument callable (or to the exception that kept it from being
@@ -83,6 +111,13 @@ def compare(op: str, shape: str, dtype: str, mode: str, impls: dict[str, Callabl
         p = place(cost, ceilings, ms)
         rows.append(Row(op, shape, dtype, mode, name, ms, p.achieved_gbps, p.achieved_tflops, p.pct_of_roof,
                         regime=p.regime))
+        if kernel_time:
+            try:
+                kms = kernel_time_ms(call)
+            except Exception:  # noqa: BLE001 - the event timing stands on its own
+                kms = None
+            if kms:
+                rows[-1].kernel_ms, rows[-1].kernel_gbps = kms, place(cost, ceilings, kms).achieved_gbps
     base = baseline or next(iter(impls))
     base_ms = next((r.ms for r in rows if r.impl == base and r.ms), None)
     for r in rows:
@@ -131,13 +166,17 @@ def print_table(rows: list[Row], title: str = "", console=None) -> None:
     from rich.table import Table
 
     table = Table(title=title, show_lines=False)
-    for col in ("shape", "mode", "impl", "ms", "GB/s", "TFLOP/s", "% roof", "speedup", "err"):
+    kt = any(r.kernel_ms for r in rows)
+    cols = ("shape", "mode", "impl", "ms", "GB/s", "TFLOP/s", "% roof", "speedup", "err")
+    for col in cols + (("kernel ms", "kernel GB/s") if kt else ()):
         table.add_column(col, justify="right" if col not in ("shape", "mode", "impl") else "left")
     for r in rows:
         style = "bold green" if r.impl == "kernelkit" else None
+        extra = (_fmt(r.kernel_ms, ".4f"), _fmt(r.kernel_gbps, ".0f")) if kt else ()
         table.add_row(r.shape, r.mode, r.impl, _fmt(r.ms, ".4f") or r.error[:40], _fmt(r.gbps, ".0f"),
                       _fmt(r.tflops, ".1f"), _fmt(r.pct_roof, ".1f"),
-                      (_fmt(r.speedup, ".2f") + "x") if r.speedup else "", _fmt(r.max_err, ".1e"), style=style)
+                      (_fmt(r.speedup, ".2f") + "x") if r.speedup else "", _fmt(r.max_err, ".1e"), *extra,
+                      style=style)
     (console or Console()).print(table)
 
 

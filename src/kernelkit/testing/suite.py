@@ -78,7 +78,7 @@ def implementations(spec: OpSpec, compile: bool = True) -> dict[str, Callable | 
 
 def run_suite(spec: OpSpec, ceilings: Ceilings, shapes: list[tuple] | None = None, dtype="bfloat16",
               modes: tuple[str, ...] = ("fwd", "bwd"), compile: bool = True, latency: bool = True,
-              baseline: str | None = None, seed: int = 0) -> list[Row]:
+              baseline: str | None = None, seed: int = 0, kernel_time: bool = False) -> list[Row]:
     dtype = as_dtype(dtype)
     baseline = baseline or spec.baseline
     # Each (shape, requires_grad) is a new graph for dynamo: let it compile them all rather than
@@ -120,7 +120,8 @@ def run_suite(spec: OpSpec, ceilings: Ceilings, shapes: list[tuple] | None = Non
                     calls[name] = e
             label = "x".join(map(str, shape))
             new = compare(spec.name, label, str(dtype).replace("torch.", ""), mode, calls, cost, ceilings,
-                            baseline=baseline if baseline in calls else "kernelkit", cuda_graph=tiny)
+                            baseline=baseline if baseline in calls else "kernelkit", cuda_graph=tiny,
+                          kernel_time=kernel_time and not tiny)
             if mode == "fwd":
                 err = _relative_error(spec, args0, kwargs)
                 for r in new:
