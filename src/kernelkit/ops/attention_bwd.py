@@ -10,6 +10,11 @@ output has a gradient): dv = Pᵀ do, dk = scale dSᵀ q, dq = scale dS k (softc
   with atomics (a TMA reduce on sm_90+): 5 matmuls per tile.
 - `deterministic=True`: no atomics; a second kernel recomputes P and dP per query block and owns its
   dq rows (7 matmuls per tile, bitwise reproducible).
+- Measured on the H100 (benchmarks/results/h100/attention-d128.json, `kk-deterministic` row): at head
+  dim >= 128 and 1k keys or more the two-kernel path is as fast or faster (1.00-1.11x: no fp32 dq buffer
+  to zero, no atomics, no cast), so it is taken there whatever `deterministic` says; the atomic path
+  stays for smaller heads and short sequences, where it won. Head dims over 128 always take the
+  two-kernel path: the atomic one faulted on the H100 at d=256.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from .attention import (LOG2E, NEG_INF, _key, _strides, _unit_last_stride, allow
 
 # dq through fp32 atomics in the dk/dv pass when the caller does not ask for determinism.
 ATOMIC_DQ = True
+# ... except from these sizes up, where the separate dq kernel measured faster on the H100.
+SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
 
 
@@ -299,7 +306,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
         *_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd, HAS_DLSE=dlse is not None,
         VARLEN=varlen, BLOCK_M=rows, num_warps=4)
     tma = use_tma(q, k, v, do, dk, dv)
-    atomic = ATOMIC_DQ and not deterministic
+    separate_faster = d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K
+    # Head dims over 128 never take the atomic path: its dq reduce hit an illegal address on the H100 at
+    # d=256 (tests/test_attention.py::test_gpu_large_shapes, atomic only; the dq kernel passes).
+    atomic = ATOMIC_DQ and not deterministic and not separate_faster and d <= 128
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else \
         torch.empty(1, dtype=torch.float32, device=q.device)  # unread, but the autotuner zeroes it: not q
     common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
