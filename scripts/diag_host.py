@@ -7,24 +7,12 @@ import cProfile
 import io
 import pstats
 import sys
-import time
-
 import torch
 
 from kernelkit.ops import registry
 from kernelkit.testing.suite import _call
 
-
-def cpu_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+from diagnose_launch import cpu_us  # scripts/ is on sys.path when run as a script
 
 
 def main(ops):
