@@ -7,6 +7,7 @@ import cProfile
 import io
 import pstats
 import sys
+
 import torch
 
 from kernelkit.ops import registry
