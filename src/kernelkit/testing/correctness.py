@@ -68,7 +68,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str,
     if actual.shape != expected.shape:
         report.failures.append(f"{what}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
         return
-    a, e = actual.detach().double(), expected.detach().to(actual.device).double()
+    ref = expected.detach().to(actual.device)
+    a, e = actual.detach().double(), ref.double()
     nonfinite = ~torch.isfinite(e)
     # Where the reference is finite the output must be too (this is what catches unwritten,
     # NaN-poisoned elements); where it is NaN/Inf the output must match it.
@@ -86,7 +87,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str,
     # What the output dtype cannot hold is not the kernel's error: the reference rounded once to that
     # dtype (underflow to subnormals and zero included, e.g. a mean-reduced fp16 gradient of a 128k
     # vocabulary) sets a floor that the tolerance comes on top of. Zero when the dtype holds it exactly.
-    floor = rel_error(expected.detach().to(actual.device).to(actual.dtype), e) if actual.is_floating_point() else 0.0
+    floor = rel_error(ref.to(actual.dtype), e) if actual.is_floating_point() else 0.0
     if not err <= tol + floor:
         extra = f" + {floor:.3g} that {str(actual.dtype)[6:]} cannot represent" if floor > tol / 10 else ""
         report.failures.append(f"{what}: relative error {err:.3g} > tolerance {tol:.3g}{extra}")

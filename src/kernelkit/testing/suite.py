@@ -121,7 +121,7 @@ def run_suite(spec: OpSpec, ceilings: Ceilings, shapes: list[tuple] | None = Non
             label = "x".join(map(str, shape))
             new = compare(spec.name, label, str(dtype).replace("torch.", ""), mode, calls, cost, ceilings,
                             baseline=baseline if baseline in calls else "kernelkit", cuda_graph=tiny,
-                          kernel_time=kernel_time and not tiny)
+                            kernel_time=kernel_time and not tiny)
             if mode == "fwd":
                 err = _relative_error(spec, args0, kwargs)
                 for r in new:
