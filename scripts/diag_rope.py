@@ -40,7 +40,8 @@ def main():
         key = key_of(q, k)
         print(f"shape {shape}: {gb * 1e3:.0f} MB moved; copy {do_bench(lambda: (q.clone(), k.clone())) * 1e3:.1f} us")
         for bt, bh, w in CONFIGS:
-            tune._chosen[(R.rope_kernel, key)] = triton.Config({"BLOCK_T": bt, "BLOCK_H": bh}, num_warps=w)
+            cfg = triton.Config({"BLOCK_T": bt, "BLOCK_H": bh}, num_warps=w)
+            tune._chosen[(R.rope_kernel, key)] = tune._Entry(R.rope_kernel.fn, cfg)
             f = lambda: R.rope(q, k, cos, sin)  # noqa: E731
             f()
             torch.cuda.synchronize()
@@ -58,7 +59,8 @@ def main():
         qo, ko = R.rope(qg, kg, cos, sin)
         dq, dk = torch.randn_like(qo), torch.randn_like(ko)
         bwd = lambda: torch.autograd.grad([qo, ko], [qg, kg], [dq, dk], retain_graph=True)  # noqa: E731
-        print(f"  tuned {tune._chosen.get((R.rope_kernel, key))}: fwd {do_bench(lambda: R.rope(q, k, cos, sin)) * 1e3:.1f}"
+        tuned = getattr(tune._chosen.get((R.rope_kernel, key)), "cfg", None)
+        print(f"  tuned {tuned}: fwd {do_bench(lambda: R.rope(q, k, cos, sin)) * 1e3:.1f}"
               f" bwd {do_bench(bwd) * 1e3:.1f} bwd kernel {kernel_us(bwd):.1f} us")
 
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, interpreting, launch, num_sms
+from ..tune import autotune, cdiv, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from .registry import OpSpec, register
 
@@ -394,7 +394,7 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def _names(dtypes) -> str:
@@ -460,7 +460,7 @@ def validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale):
 
 
 def _key(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
+    return next_pow2(max(n, 1))
 
 
 def lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
@@ -508,7 +508,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common)
         return o, lse
     sq_, sk_, lq = _strides(q, varlen), _strides(k, varlen), lse.stride()
-    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
+    grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
     launch(attn_fwd_kernel, grid, (_key(seq_q), _key(seq_k), tuple(common.items()), varlen, q.dtype),
            q, k, v, o, lse, cu_seqlens if varlen else q, *sq_, *sk_, *_strides(v, varlen), *_strides(o, varlen),
            0 if varlen else lq[0], lq[0] if varlen else lq[1], seq_q, seq_k, hq, hk, hq // hk, *score,
@@ -520,22 +520,22 @@ def _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common):
     hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
     group = hq // hk
     heads_per_program = max(1, min(group, DECODE_MAX_ROWS_X_D // block_d(d) // seq_q))
-    slices = triton.cdiv(group, heads_per_program)
-    rows = max(16, triton.next_power_of_2(heads_per_program * seq_q))
+    slices = cdiv(group, heads_per_program)
+    rows = max(16, next_pow2(heads_per_program * seq_q))
     # Enough programs for two waves over the SMs, each streaming at least 256 keys.
     programs = batch * hk * slices
-    n_splits = max(1, min(triton.cdiv(2 * num_sms(q.device), programs), triton.cdiv(seq_k, 256)))
-    chunk = triton.cdiv(triton.cdiv(seq_k, n_splits), 128) * 128
-    n_splits = triton.cdiv(seq_k, chunk)
+    n_splits = max(1, min(cdiv(2 * num_sms(q.device), programs), cdiv(seq_k, 256)))
+    chunk = cdiv(cdiv(seq_k, n_splits), 128) * 128
+    n_splits = cdiv(seq_k, chunk)
     o_part = empty((batch, seq_q, hq, n_splits, d), dtype=torch.float32, device=q.device)
     lse_part = empty((batch, seq_q, hq, n_splits), dtype=torch.float32, device=q.device)
     launch(attn_decode_split_kernel, (n_splits, batch * hk, slices),
            (_key(seq_k), rows, tuple(common.items()), q.dtype),
            q, k, v, o_part, lse_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], seq_q, seq_k, hq, hk, group,
            heads_per_program, n_splits, chunk, *score, _key(seq_k), BLOCK_M=rows, **common)
-    attn_decode_combine_kernel[(batch * seq_q * hq,)](
-        o_part, lse_part, o, lse, *o.stride()[:3], *lse.stride()[:2], seq_q, hq, n_splits, HEAD_DIM=d,
-        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d(d), num_warps=4)
+    launch(attn_decode_combine_kernel, (batch * seq_q * hq,), None,
+           o_part, lse_part, o, lse, *o.stride()[:3], *lse.stride()[:2], seq_q, hq, n_splits, HEAD_DIM=d,
+           BLOCK_S=next_pow2(n_splits), BLOCK_D=block_d(d), num_warps=4)
 
 
 # --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..testing.poison import empty
-from ..tune import autotune, interpreting, launch
+from ..tune import autotune, cdiv, interpreting, launch
 from .attention import (LOG2E, NEG_INF, _key, _strides, _unit_last_stride, allowed, block_d, kv_block_range,
                         load_tile, mma, scores, sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
 
@@ -301,10 +301,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     ls = lse.stride()
     l_strides = (0, ls[0]) if varlen else ls[:2]
     rows = 16 if interpreting() else 64
-    attn_bwd_preprocess_kernel[(triton.cdiv(seq_q, rows), batch * hq)](
-        o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q, *_strides(o, varlen),
-        *_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd, HAS_DLSE=dlse is not None,
-        VARLEN=varlen, BLOCK_M=rows, num_warps=4)
+    launch(attn_bwd_preprocess_kernel, (cdiv(seq_q, rows), batch * hq), None,
+           o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
+           *_strides(o, varlen), *_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
+           HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
     tma = use_tma(q, k, v, do, dk, dv)
     separate_faster = d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K
     # Head dims over 128 never take the atomic path: its dq reduce hit an illegal address on the H100 at
@@ -319,7 +319,7 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     head = (seq_q, seq_k, hq, hk, hq // hk, *score, _key(seq_q), _key(seq_k))
     cu = cu_seqlens if varlen else q
     dq_strides = _strides(dq_acc, varlen) if atomic else (0, 0, 0)
-    grid = lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
+    grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
     launch(attn_bwd_dkdv_kernel, grid, (_key(seq_q), _key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype),
            q, k, v, do, dk, dv, dq_acc, lse2, delta, cu, *_strides(q, varlen), *_strides(k, varlen),
            *_strides(v, varlen), *_strides(do, varlen), *_strides(dk, varlen), *_strides(dv, varlen), *dq_strides,
@@ -328,7 +328,7 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
-    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
+    grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
     launch(attn_bwd_dq_kernel, grid, (_key(seq_q), _key(seq_k), tuple(common.items()), q.dtype),
            q, k, v, do, dq, lse2, delta, cu, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen),
            *_strides(do, varlen), *_strides(dq, varlen), *l_strides, *head, **common)

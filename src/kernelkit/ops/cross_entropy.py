@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, interpreting, launch, num_sms
+from ..tune import autotune, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -218,7 +218,7 @@ def cross_entropy_grad_scale_kernel(DL, OUT, GRAD, APPLIED, TARGET, stride_dl, s
 # --- launchers ---
 
 def _block_v(v: int) -> int:
-    return min(MAX_BLOCK_V, max(16, triton.next_power_of_2(v)))
+    return min(MAX_BLOCK_V, max(16, next_pow2(v)))
 
 
 def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction):
@@ -333,10 +333,10 @@ def scale_grad(dlogits, grad, target, ignore_index=-100, applied=None, in_place=
     if not dlogits.numel():
         return out
     stride = lambda a: a.stride(0) if a is not None and a.dim() else 0  # noqa: E731
-    cross_entropy_grad_scale_kernel[(n,)](
-        dlogits, out, grad, applied if applied is not None else grad, target.contiguous(), dlogits.stride(0),
-        out.stride(0), stride(grad), stride(applied), v, ignore_index, HAS_APPLIED=applied is not None,
-        IN_PLACE=in_place, BLOCK_V=_block_v(v), num_warps=8)
+    launch(cross_entropy_grad_scale_kernel, (n,), None,
+           dlogits, out, grad, applied if applied is not None else grad, target.contiguous(), dlogits.stride(0),
+           out.stride(0), stride(grad), stride(applied), v, ignore_index, HAS_APPLIED=applied is not None,
+           IN_PLACE=in_place, BLOCK_V=_block_v(v), num_warps=8)
     return out
 
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, launch
+from ..tune import autotune, cdiv, launch, next_pow2
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -148,11 +148,11 @@ def _launch(kernel, key: tuple, tensors: list, rows: int, h: int, act: int) -> N
     flat = rows == 1 or all(st == h for st in strides)
     if flat:
         m, n, block_h = 1, rows * h, 1
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+        grid = lambda meta: (cdiv(n, meta["BLOCK"]),)
     else:
         # Every config's BLOCK is at least MAX_BLOCK_H, so a tile holds one or more whole column blocks.
-        m, n, block_h = rows, h, min(triton.next_power_of_2(h), MAX_BLOCK_H)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK"] // block_h) * triton.cdiv(n, block_h),)
+        m, n, block_h = rows, h, min(next_pow2(h), MAX_BLOCK_H)
+        grid = lambda meta: (cdiv(m, meta["BLOCK"] // block_h) * cdiv(n, block_h),)
     launch(kernel, grid, (n, act, flat, *key), *tensors, *strides, m, n, ACT=act, FLAT=flat, BLOCK_H=block_h)
 
 

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
-from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
+from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 from .rms_norm import _column_sum
@@ -197,13 +197,13 @@ def layer_norm_fwd(x, weight, bias, eps):
     b = bias if bias is not None else x2
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
+        grid = lambda meta: (cdiv(m, meta["ROWS"]),)  # noqa: E731
         launch(layer_norm_fwd_kernel, grid, (n, *flags.values(), x.dtype, w.dtype, b.dtype),
                x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), m, n, eps, **flags,
-               BLOCK_N=triton.next_power_of_2(n))
+               BLOCK_N=next_pow2(n))
     else:
-        layer_norm_fwd_looped_kernel[(m,)](x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), n, eps, **flags,
-                                           BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        launch(layer_norm_fwd_looped_kernel, (m,), None, x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), n, eps,
+               **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     return y, mean, rstd
 
 
@@ -224,7 +224,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     # Fused: one or two programs per SM, as measured for RMSNorm's backward on the H100. Looped:
     # one per SM, so that the programs' dw/db partial rows and re-read rows (12 bytes a column in
     # bf16) fit the H100's 50 MB L2 up to N ~ 30K instead of round-tripping to HBM on every row.
-    programs = min(m, sms * (2 if fused and triton.next_power_of_2(n) <= 2048 else 1))
+    programs = min(m, sms * (2 if fused and next_pow2(n) <= 2048 else 1))
     alloc = torch.empty if fused else torch.zeros  # the looped kernel accumulates into its partials
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
     db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
@@ -232,10 +232,10 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     args = (dy2, x2, w, mean, rstd, dx2, dw_part, db_part, dy2.stride(0), x2.stride(0), dx2.stride(0), m, n)
     if fused:
         launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), *args, **flags,
-               BLOCK_N=triton.next_power_of_2(n))
+               BLOCK_N=next_pow2(n))
     else:
         # 16 warps: with one program per SM, as many loads in flight as two programs of 8 would have.
-        layer_norm_bwd_looped_kernel[(programs,)](*args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=16)
+        launch(layer_norm_bwd_looped_kernel, (programs,), None, *args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=16)
     dw = _column_sum(dw_part, weight) if has_w else none
     db = _column_sum(db_part, bias) if has_b else none
     return dx, dw, db

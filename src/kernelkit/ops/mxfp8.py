@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, interpreting, launch
+from ..tune import autotune, cdiv, interpreting, launch, next_pow2
 from . import _validate
 from .registry import OpSpec, register
 
@@ -49,7 +49,7 @@ def _configs():
 def _prune(configs, named_args, **kwargs):
     k = {**named_args, **kwargs}["K"]
     keep = [c for c in configs
-            if c.kwargs["BLOCK_K"] <= max(256, triton.next_power_of_2(k))
+            if c.kwargs["BLOCK_K"] <= max(256, next_pow2(k))
             and 1024 <= c.kwargs["ROWS"] * c.kwargs["BLOCK_K"] <= 16384
             and 8 <= c.kwargs["ROWS"] * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= 32]
     return keep or configs[:1]
@@ -170,12 +170,12 @@ def _check_last_dim(x: torch.Tensor, name: str) -> int:
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"{name}'s last dim ({k}) must be divisible by the MX block size {BLOCK}; "
-                         f"pad it to {triton.cdiv(k, BLOCK) * BLOCK}")
+                         f"pad it to {cdiv(k, BLOCK) * BLOCK}")
     return k
 
 
 def _grid(m, k):
-    return lambda meta: (triton.cdiv(m, meta["ROWS"]) * triton.cdiv(k, meta["BLOCK_K"]),)
+    return lambda meta: (cdiv(m, meta["ROWS"]) * cdiv(k, meta["BLOCK_K"]),)
 
 
 def quantize_fwd(x: torch.Tensor, elem_dtype=torch.float8_e4m3fn):

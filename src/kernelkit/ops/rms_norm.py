@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
-from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
+from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -176,7 +176,7 @@ def _column_sum(partial: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     dw = empty((n,), dtype=like.dtype, device=like.device)
     # Narrow column strips so that even N = 2048 spreads over ~64+ programs.
     block_n = 32 if n <= 8192 else 128
-    dw_column_sum_kernel[(triton.cdiv(n, block_n),)](partial, dw, p, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4)
+    launch(dw_column_sum_kernel, (cdiv(n, block_n),), None, partial, dw, p, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4)
     return dw
 
 
@@ -215,12 +215,12 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
     w = weight if weight is not None else x2  # dummy pointer, never read
     args = (x2, r2, s2, w, y2, rstd, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0))
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)  # noqa: E731
+        grid = lambda meta: (cdiv(m, meta["ROWS"]),)  # noqa: E731
         launch(rms_norm_fwd_kernel, grid, (n, weight is not None, has_r, x.dtype, w.dtype), *args, m, n, eps,
-               offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r, BLOCK_N=triton.next_power_of_2(n))
+               offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r, BLOCK_N=next_pow2(n))
     else:
-        rms_norm_fwd_looped_kernel[(m,)](*args, n, eps, offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r,
-                                         BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        launch(rms_norm_fwd_looped_kernel, (m,), None, *args, n, eps, offset, HAS_WEIGHT=weight is not None,
+               HAS_RESIDUAL=has_r, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     return y, rstd, summed
 
 
@@ -244,7 +244,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
     w = weight if has_w else x2
     sms = num_sms(x.device)
     if n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N):
-        block_n = triton.next_power_of_2(n)
+        block_n = next_pow2(n)
         # One or two programs per SM (measured on the H100: more only adds dw partial traffic);
         # each owns one fp32 row of the dw partial.
         programs = min(m, sms * (2 if block_n <= 2048 else 1))
@@ -255,9 +255,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
     else:
         programs = min(m, sms * 2)
         partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-        rms_norm_bwd_looped_kernel[(programs,)](dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0),
-                                                ds2.stride(0), dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
-                                                HAS_DS=has_ds, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        launch(rms_norm_bwd_looped_kernel, (programs,), None, dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0),
+               x2.stride(0), ds2.stride(0), dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
+               HAS_DS=has_ds, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     dw = _column_sum(partial, weight) if has_w else x.new_empty(0)
     return dx, dw
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, launch
+from ..tune import autotune, cdiv, launch, next_pow2
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -40,7 +40,7 @@ def _configs():
 def _prune(configs, named_args, **kwargs):
     kw = {**named_args, **kwargs}
     per_head = 2 * kw["RD2_PAD"] + (kw["TAIL_PAD"] if kw["TAIL"] else 0)
-    most_heads = triton.next_power_of_2(max(kw["HQ"], kw["HK"], 1))
+    most_heads = next_pow2(max(kw["HQ"], kw["HK"], 1))
     keep = [c for c in configs
             if c.kwargs["BLOCK_H"] <= most_heads
             and 512 <= c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_H"] * per_head <= 8192
@@ -140,6 +140,8 @@ def _inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tenso
 
 def _empty_same_layout(x: torch.Tensor, alloc=empty) -> torch.Tensor:
     """A dense output whose dims are laid out in x's stride order (like empty_like, also for slices)."""
+    if x.is_contiguous():
+        return alloc(x.shape, dtype=x.dtype, device=x.device)
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
     t = alloc(tuple(x.shape[d] for d in order), dtype=x.dtype, device=x.device)
     return t.permute([order.index(d) for d in range(x.dim())])
@@ -257,12 +259,12 @@ def rope_fwd(q, k, cos=None, sin=None, position_ids=None, offset=0, rotary_dim=N
             c, s = (t.squeeze(1) if t.dim() == 4 else t for t in (c, s))
             cs = (c.stride(0) if c.shape[0] > 1 else 0, c.stride(1), c.stride(2))
             ss = (s.stride(0) if s.shape[0] > 1 else 0, s.stride(1), s.stride(2))
-    rd2_pad = triton.next_power_of_2(half)
+    rd2_pad = next_pow2(half)
     tail = D - rotary_dim
-    tail_pad = triton.next_power_of_2(tail) if tail else 1
-    t_bucket = min(triton.next_power_of_2(T), 4096)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"])  # noqa: E731
-                         * (triton.cdiv(HQ, meta["BLOCK_H"]) + triton.cdiv(HK, meta["BLOCK_H"])),)
+    tail_pad = next_pow2(tail) if tail else 1
+    t_bucket = min(next_pow2(T), 4096)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_T"])  # noqa: E731
+                         * (cdiv(HQ, meta["BLOCK_H"]) + cdiv(HK, meta["BLOCK_H"])),)
     key = (HQ, HK, half, tail, interleaved, mode, t_bucket, q.dtype, c.dtype, position_ids is not None)
     launch(rope_kernel, grid, key,
            qb, kb, qob, kob, c, s, position_ids if position_ids is not None else dummy, inv,

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty_like
-from ..tune import autotune, launch, num_sms, prune_row_tiles, row_tile_configs
+from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 
@@ -247,9 +247,9 @@ def _splits(m: int, n: int, device) -> tuple[int, int]:
     target = SPLIT_PROGRAMS_PER_SM * num_sms(device)
     if m >= target:
         return 1, n
-    splits = min(triton.cdiv(n, LOOP_BLOCK_N), triton.cdiv(target, m))
-    chunk = triton.cdiv(triton.cdiv(n, splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
-    return triton.cdiv(n, chunk), chunk
+    splits = min(cdiv(n, LOOP_BLOCK_N), cdiv(target, m))
+    chunk = cdiv(cdiv(n, splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
+    return cdiv(n, chunk), chunk
 
 
 def _check_scale(scale):
@@ -268,9 +268,9 @@ def softmax_fwd(x: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch
     x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
     m = x2.shape[0]
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)
+        grid = lambda meta: (cdiv(m, meta["ROWS"]),)
         launch(softmax_fwd_kernel, grid, (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), m, n, scale,
-               LOG=log, BLOCK_N=triton.next_power_of_2(n))
+               LOG=log, BLOCK_N=next_pow2(n))
         return y
     splits, chunk = _splits(m, n, x.device)
     if splits == 1:
@@ -284,7 +284,7 @@ def softmax_fwd(x: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch
            splits, scale, BLOCK_N=LOOP_BLOCK_N)
     launch(softmax_fwd_split_kernel, grid, (n, splits, log, x.dtype), x2, y2, part_m, part_s, x2.stride(0),
            y2.stride(0), n, chunk, splits, scale, LOG=log, BLOCK_N=LOOP_BLOCK_N,
-           BLOCK_S=triton.next_power_of_2(splits))
+           BLOCK_S=next_pow2(splits))
     return y
 
 
@@ -299,9 +299,9 @@ def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float = 1.0, log: bool
     m = y2.shape[0]
     strides = (dy2.stride(0), y2.stride(0), dx2.stride(0))
     if n <= MAX_FUSED_N:
-        grid = lambda meta: (triton.cdiv(m, meta["ROWS"]),)
+        grid = lambda meta: (cdiv(m, meta["ROWS"]),)
         launch(softmax_bwd_kernel, grid, (n, log, dy.dtype, y.dtype), dy2, y2, dx2, *strides, m, n, scale,
-               LOG=log, BLOCK_N=triton.next_power_of_2(n))
+               LOG=log, BLOCK_N=next_pow2(n))
         return dx
     splits, chunk = _splits(m, n, y.device)
     if splits == 1:
@@ -313,7 +313,7 @@ def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float = 1.0, log: bool
     launch(softmax_bwd_partial_kernel, grid, (n, splits, log, dy.dtype, y.dtype), dy2, y2, part, strides[0],
            strides[1], n, chunk, splits, LOG=log, BLOCK_N=LOOP_BLOCK_N)
     launch(softmax_bwd_split_kernel, grid, (n, splits, log, dy.dtype, y.dtype), dy2, y2, dx2, part, *strides, n,
-           chunk, splits, scale, LOG=log, BLOCK_N=LOOP_BLOCK_N, BLOCK_S=triton.next_power_of_2(splits))
+           chunk, splits, scale, LOG=log, BLOCK_N=LOOP_BLOCK_N, BLOCK_S=next_pow2(splits))
     return dx
 
 

@@ -7,9 +7,13 @@ timing a config on the CPU means nothing and costs minutes: there only the first
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
+import torch
 import triton
+from triton import knobs
+from triton.runtime.autotuner import Autotuner
 
 
 def interpreting() -> bool:
@@ -32,37 +36,184 @@ def autotune(configs: list, key: list[str], **kwargs):
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for host code (Triton 3.6's `triton.cdiv` is a constexpr function whose
+    wrapper costs microseconds a call on the launch path)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code; see `cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+class _Entry:
+    """What `launch` keeps per (kernel, key): the tuned config and the compiled kernels it has seen,
+    keyed by everything Triton specializes on."""
+
+    __slots__ = ("jit", "cfg", "cfg_kwargs", "compiled")
+
+    def __init__(self, jit, cfg):
+        self.jit, self.cfg = jit, cfg
+        self.cfg_kwargs = cfg.all_kwargs() if cfg is not None else {}
+        self.compiled: dict = {}
+
+
 _chosen: dict = {}
+_MAX_SPECS = 512  # per (kernel, key): past this, launches take Triton's own path (no unbounded growth)
+_Tensor = torch.Tensor
+_I32_MIN, _I32_MAX, _U64 = -(1 << 31), (1 << 31) - 1, 1 << 63
+_PLAIN = (float, bool, type(None))
 
 
-def launch(kernel, grid, key: tuple, *args, **kwargs):
-    """Launch a `triton.autotune`d kernel, tuning on the first call for `key`.
+# Read once, like Triton decides between JIT and interpreter when a kernel is defined.
+LEAN = not interpreting() and os.environ.get("KERNELKIT_LEAN_LAUNCH", "1") != "0"
 
-    Afterwards the chosen config goes straight to the JIT function: the autotuner's per-call
-    bookkeeping costs more CPU time than a small memory-bound kernel takes on the GPU.
-    `key` must cover what the autotuner keys on (its key args and the tensors' dtypes).
+
+def _spec(args, kwargs, device):
+    """A key at least as fine as Triton's specialization of this call, or None when an argument is of a
+    kind it does not model. Triton 3.6 specializes a tensor on its dtype and 16-byte alignment, an int
+    on being 1, its divisibility by 16 and its width (i32, i64, u64); floats, bools and None on their
+    type. Keyword arguments (constexprs, launch options) enter by value."""
+    key = [device]
+    put = key.append
+    for a in args:
+        if isinstance(a, _Tensor):
+            put(a.dtype)
+            put(a.data_ptr() & 15 == 0)
+        elif type(a) is int:
+            if a == 1:
+                put(1)
+            elif _I32_MIN <= a <= _I32_MAX:
+                put(2 if a & 15 else 3)
+            elif a < _U64:
+                put(4 if a & 15 else 5)
+            else:
+                put(6 if a & 15 else 7)
+        elif isinstance(a, _PLAIN):
+            put(type(a))
+        else:
+            return None
+    for item in kwargs.items():
+        put(item)
+    return tuple(key)  # unhashable keyword values make the cache lookup raise TypeError: Triton's path
+
+
+class _Compiled:
+    __slots__ = ("run", "function", "metadata", "tail", "grid_ok")
+
+    def __init__(self, ck, tail, grid_ok):
+        self.run, self.function, self.metadata = ck.run, ck.function, ck.packed_metadata
+        self.tail, self.grid_ok = tail, grid_ok
+
+
+def _remember(entry, spec, ck, grid, nargs, kw):
+    """After Triton's own path compiled and launched `ck` for `spec`: keep what a direct launch needs,
+    or None (meaning: always take Triton's path) when the call does not fit the lean path."""
+    compiled = None
+    jit = entry.jit
+    if ck is not None and not isinstance(ck, bool) and hasattr(ck, "packed_metadata"):
+        tail = []
+        for p in jit.params[nargs:]:
+            if p.name in kw:
+                tail.append(kw[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:
+                tail = None
+                break
+        grid_ok = True
+        if callable(grid):
+            try:
+                grid(kw)
+            except (KeyError, TypeError, IndexError):
+                grid_ok = False
+        if tail is not None:
+            compiled = _Compiled(ck, tuple(tail), grid_ok)
+    if len(entry.compiled) < _MAX_SPECS:
+        entry.compiled[spec] = compiled
+
+
+def launch(kernel, grid, key, *args, **kwargs):
+    """Launch a Triton kernel (`triton.autotune`d or plain `triton.jit`), tuning on the first call for `key`.
+
+    Afterwards the chosen config goes straight to the JIT function (the autotuner's per-call bookkeeping
+    costs more CPU time than a small memory-bound kernel takes on the GPU), and, on the GPU, calls whose
+    specialization has been compiled before go straight to the compiled kernel's launcher: Triton's
+    `JITFunction.run` re-binds and re-specializes every argument, builds launch metadata and calls its
+    (empty) hook chains on every launch, tens of microseconds of host time per call.
+
+    `key` must cover what the autotuner keys on (its key args and the tensors' dtypes); None for a plain
+    JIT kernel. A callable `grid` may read only keyword (constexpr and config) arguments on the lean path
+    (checked on first use; other grids take Triton's path). `KERNELKIT_LEAN_LAUNCH=0` (read at import;
+    `tune.LEAN` at run time) turns the direct launch off; so do Triton's launch hooks (e.g. proton's).
     """
-    cfg = _chosen.get((kernel, key))
-    if cfg is None:
-        out = kernel[grid](*args, **kwargs)
-        _chosen[(kernel, key)] = kernel.best_config
-        return out
-    return kernel.fn[grid](*args, **kwargs, **cfg.all_kwargs())
+    entry = _chosen.get((kernel, key))
+    if entry is None:
+        if isinstance(kernel, Autotuner):
+            out = kernel[grid](*args, **kwargs)
+            _chosen[(kernel, key)] = _Entry(kernel.fn, kernel.best_config)
+            return out
+        entry = _chosen[(kernel, key)] = _Entry(kernel, None)
+    kw = {**kwargs, **entry.cfg_kwargs} if entry.cfg is not None else kwargs
+    if not LEAN or _hooks_installed():
+        return entry.jit[grid](*args, **kw)
+    device = _get_device()
+    spec = _spec(args, kwargs, device)
+    if spec is None:
+        return entry.jit[grid](*args, **kw)
+    try:
+        compiled = entry.compiled.get(spec, _MISSING)
+    except TypeError:
+        return entry.jit[grid](*args, **kw)
+    if compiled is _MISSING:
+        ck = entry.jit[grid](*args, **kw)
+        _remember(entry, spec, ck, grid, len(args), kw)
+        return ck
+    if compiled is None or not compiled.grid_ok:
+        return entry.jit[grid](*args, **kw)
+    g = grid(kw) if callable(grid) else grid
+    n = len(g)
+    compiled.run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, _get_stream(device), compiled.function,
+                 compiled.metadata, None, None, None, *args, *compiled.tail)
+    return None
+
+
+_MISSING = object()
+_driver_fns = None
+
+
+def _get_device():
+    global _driver_fns
+    if _driver_fns is None:
+        from triton.runtime.driver import driver
+
+        _driver_fns = (driver.active.get_current_device, driver.active.get_current_stream)
+    return _driver_fns[0]()
+
+
+def _get_stream(device):
+    return _driver_fns[1](device)
+
+
+def _hooks_installed() -> bool:
+    rt = knobs.runtime
+    return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
 
 
 def chosen_configs() -> list[dict]:
     """What `launch` tuned in this process: kernel, key and config, for benchmark logs."""
     out = []
-    for (kernel, key), cfg in _chosen.items():
-        fn = getattr(kernel, "fn", kernel)
-        out.append({"kernel": getattr(fn, "__name__", str(fn)), "key": repr(key)[:300], "config": str(cfg)})
+    for (kernel, key), entry in _chosen.items():
+        if entry.cfg is None:
+            continue
+        fn = entry.jit
+        out.append({"kernel": getattr(fn, "__name__", str(fn)), "key": repr(key)[:300], "config": str(entry.cfg)})
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def _sms(index: int) -> int:
-    import torch
-
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

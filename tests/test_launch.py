@@ -1,0 +1,91 @@
+"""The lean launch path of `kernelkit.tune.launch`: its specialization key must be at least as fine as
+Triton's, or a kernel compiled for aligned pointers (or for an int equal to 1) would run on a call that
+breaks that assumption."""
+
+import pytest
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+import kernelkit
+from kernelkit import tune
+from kernelkit.ops.rms_norm import reference
+from kernelkit.testing import check
+
+
+def _triton_spec(a):
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+INTS = [0, 1, 2, 15, 16, 17, 48, -16, -3, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 3, 2**63, 2**63 + 16]
+
+
+def test_int_key_separates_what_triton_separates():
+    keys = {}
+    for v in INTS:
+        keys.setdefault(tune._spec((v,), {}, 0), set()).add(_triton_spec(v))
+    for k, triton_specs in keys.items():
+        assert len(triton_specs) == 1, f"one key {k} covers Triton specializations {triton_specs}"
+
+
+def test_tensor_key_separates_dtype_and_alignment():
+    buf = torch.empty(64, dtype=torch.bfloat16)
+    views = [buf, buf[1:], buf[8:], buf[9:], buf.float(), buf.float()[1:], buf.float()[4:]]
+    keys = {}
+    for t in views:
+        keys.setdefault(tune._spec((t,), {}, 0), set()).add(_triton_spec(t))
+    assert len(keys) == 4
+    for k, triton_specs in keys.items():
+        assert len(triton_specs) == 1, f"one key covers Triton specializations {triton_specs}"
+
+
+def test_key_covers_types_keywords_and_device():
+    x = torch.empty(4)
+    assert tune._spec((x, 1.0), {}, 0) != tune._spec((x, True), {}, 0) != tune._spec((x, None), {}, 0)
+    assert tune._spec((x,), {"BLOCK": 64}, 0) != tune._spec((x,), {"BLOCK": 128}, 0)
+    assert tune._spec((x,), {}, 0) != tune._spec((x,), {}, 1)
+    assert tune._spec((x, object()), {}, 0) is None  # unknown kinds of argument: Triton's own path
+    with pytest.raises(TypeError):  # unhashable keyword values: the lookup raises, launch takes Triton's path
+        hash(tune._spec((x,), {"A": [1, 2]}, 0))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 16, 17, 1000, 1024, 1025, 2**20 + 1])
+def test_host_helpers_match_triton(n):
+    assert tune.next_pow2(n) == triton.next_power_of_2(n) or n == 0  # triton returns 0 for 0
+    for d in (1, 3, 16, 128):
+        assert tune.cdiv(n, d) == triton.cdiv(n, d)
+
+
+@pytest.mark.gpu
+def test_lean_path_respecializes_on_alignment_and_ints():
+    """Aligned, misaligned, aligned again and a one-row input through one kernel: each call correct, and
+    the lean cache holds one entry per specialization."""
+    torch.manual_seed(0)
+    n = 4096 + 8
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    buf = torch.randn(64 * n + 1, device="cuda", dtype=torch.bfloat16)
+    inputs = [buf[: 64 * n].view(64, n), buf[1:].view(64, n), buf[: 64 * n].view(64, n), buf[1: n + 1].view(1, n),
+              buf[8: 8 + 64 * n].view(64, n)]
+    for x in inputs:
+        for _ in range(2):  # the first call of a specialization fills the cache, the second takes it
+            y = kernelkit.rms_norm(x, w)
+            torch.testing.assert_close(y.double(), reference(x, w).double(), rtol=2e-2, atol=2e-2)
+    from kernelkit.ops.rms_norm import rms_norm_fwd_kernel
+
+    specs = [e for (k, _), e in tune._chosen.items() if k is rms_norm_fwd_kernel]
+    assert specs and max(len(e.compiled) for e in specs) >= 2
+    assert all(c is not None for e in specs for c in e.compiled.values()), "lean path refused a plain call"
+
+
+@pytest.mark.gpu
+def test_lean_path_matches_triton_path(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(300, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        check(kernelkit.rms_norm, reference, (x, w), grad_args=(0, 1)).raise_if_failed()
+    lean = kernelkit.rms_norm(x, w)
+    monkeypatch.setattr(tune, "LEAN", False)
+    plain = kernelkit.rms_norm(x, w)
+    assert torch.equal(lean, plain)
