@@ -1,7 +1,7 @@
 """Host (CPU) time of an op's call path, where a small-shape benchmark is launch-bound: per op and mode,
 microseconds of CPU per call for kernelkit with its lean launch path (`tune.launch` calling the compiled
 kernel) and with Triton's own `JITFunction.run`, next to the other rows of the benchmark (eager,
-torch.compile, Liger where installed); then a cProfile of kernelkit's hottest functions.
+torch.compile, Liger where installed); then a cProfile of kernelkit's call path (cumulative).
 
     python scripts/diag_host.py rope layer_norm softmax      # prints per op
 """
@@ -51,7 +51,7 @@ def main(ops):
             prof.disable()
             torch.cuda.synchronize()
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(22)
             print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
 
 

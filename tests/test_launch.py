@@ -64,7 +64,7 @@ def test_lean_path_respecializes_on_alignment_and_ints():
     torch.manual_seed(0)
     n = 4096 + 8
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    buf = torch.randn(64 * n + 1, device="cuda", dtype=torch.bfloat16)
+    buf = torch.randn(64 * n + 8, device="cuda", dtype=torch.bfloat16)
     inputs = [buf[: 64 * n].view(64, n), buf[1:].view(64, n), buf[: 64 * n].view(64, n), buf[1: n + 1].view(1, n),
               buf[8: 8 + 64 * n].view(64, n)]
     for x in inputs:
