@@ -26,6 +26,17 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
     return x
 
 
+def wants_grad(*tensors) -> bool:
+    """Whether a call must record an autograd node: grad mode is on and an input requires grad.
+    Otherwise the public functions call their launcher directly, skipping `autograd.Function.apply`
+    (microseconds of host time a call, which small inference-time ops feel)."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
+
+
 def same_device(x: torch.Tensor, name: str, other: torch.Tensor, other_name: str) -> None:
     if x.device != other.device:
         raise ValueError(f"{name} is on {x.device} but {other_name} is on {other.device}; put both on one device")

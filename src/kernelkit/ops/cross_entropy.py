@@ -451,7 +451,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         grad_in_forward = reduction != "none" and not traced
     args = (logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
             bool(grad_in_forward) and needs_grad)
-    loss, zl = _cross_entropy_op(*args)[:2] if traced else _CrossEntropyFunction.apply(*args)
+    if traced:
+        loss, zl = _cross_entropy_op(*args)[:2]
+    elif not needs_grad:
+        loss, zl = cross_entropy_fwd(*args)[:2]
+    else:
+        loss, zl = _CrossEntropyFunction.apply(*args)
     return (loss, zl) if return_z_loss else loss
 
 

@@ -260,6 +260,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """
     if torch.compiler.is_compiling() or is_fake(gate):  # traced: one graph node with a registered backward
         return _swiglu_op(gate, up)
+    if not _validate.wants_grad(gate, up):
+        return glu_fwd(gate, up, SILU)
     return _GLUFunction.apply(gate, up, SILU)
 
 
@@ -270,6 +272,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str =
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
     if torch.compiler.is_compiling() or is_fake(gate):
         return _geglu_op(gate, up, approximate)
+    if not _validate.wants_grad(gate, up):
+        return glu_fwd(gate, up, _ACTS[approximate])
     return _GLUFunction.apply(gate, up, _ACTS[approximate])
 
 

@@ -308,6 +308,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     """
     if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
         return _layer_norm_op(x, weight, bias, float(eps))[0]
+    if not _validate.wants_grad(x, weight, bias):
+        return layer_norm_fwd(x, weight, bias, float(eps))[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))
 
 

@@ -330,6 +330,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     # Inputs are validated once, in the launcher.
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, float(eps), float(offset))[0]
+    if not _validate.wants_grad(x, weight):
+        return rms_norm_fwd(x, weight, float(eps), float(offset))[0]
     return _RMSNormFunction.apply(x, weight, float(eps), float(offset))
 
 
@@ -399,6 +401,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch
     """
     if torch.compiler.is_compiling():
         y, _, summed = _add_rms_norm_op(x, residual, weight, float(eps), float(offset))
+        return y, summed
+    if not _validate.wants_grad(x, residual, weight):
+        y, _, summed = rms_norm_fwd(x, weight, float(eps), float(offset), residual)
         return y, summed
     return _AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset))
 

@@ -351,6 +351,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, s
     args = (q, k, cos, sin, position_ids, offset, rotary_dim, bool(interleaved), float(base), layout == "bhsd")
     if torch.compiler.is_compiling():
         return _rope_op(*args, False)
+    if not _validate.wants_grad(q, k):
+        return rope_fwd(*args)
     return _RoPEFunction.apply(*args)
 
 

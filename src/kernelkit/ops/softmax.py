@@ -373,6 +373,8 @@ def _dispatch(x, scale, log):
     _check_scale(scale)
     if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
         return _softmax_op(x, float(scale), log)
+    if not _validate.wants_grad(x):
+        return softmax_fwd(x, float(scale), log)
     return _SoftmaxFunction.apply(x, float(scale), log)
 
 

@@ -77,11 +77,8 @@ def _spec(args, kwargs, device):
     type. Keyword arguments (constexprs, launch options) enter by value."""
     key = [device]
     put = key.append
-    for a in args:
-        if isinstance(a, _Tensor):
-            put(a.dtype)
-            put(a.data_ptr() & 15 == 0)
-        elif type(a) is int:
+    for a in args:  # ints first: most arguments are sizes and strides
+        if type(a) is int:
             if a == 1:
                 put(1)
             elif _I32_MIN <= a <= _I32_MAX:
@@ -90,12 +87,14 @@ def _spec(args, kwargs, device):
                 put(4 if a & 15 else 5)
             else:
                 put(6 if a & 15 else 7)
+        elif isinstance(a, _Tensor):
+            put(a.dtype)
+            put(a.data_ptr() & 15 == 0)
         elif isinstance(a, _PLAIN):
             put(type(a))
         else:
             return None
-    for item in kwargs.items():
-        put(item)
+    key.extend(kwargs.items())
     return tuple(key)  # unhashable keyword values make the cache lookup raise TypeError: Triton's path
 
 
