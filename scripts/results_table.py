@@ -68,8 +68,11 @@ def geomeans(paths: list[str], min_ms: float = 0.09) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--geomean":
-        print(geomeans(args[1:]))
+    if args and args[0] == "--geomean":  # --geomean [--min-ms 0.01] FILES...
+        min_ms = 0.09
+        if len(args) > 2 and args[1] == "--min-ms":
+            min_ms, args = float(args[2]), args[2:]
+        print(geomeans(args[1:], min_ms))
     else:
         for p in args:
             print(table(p))
