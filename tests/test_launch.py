@@ -46,6 +46,7 @@ def test_key_covers_types_keywords_and_device():
     assert tune._spec((x,), {"BLOCK": 64}, 0) != tune._spec((x,), {"BLOCK": 128}, 0)
     assert tune._spec((x,), {}, 0) != tune._spec((x,), {}, 1)
     assert tune._spec((x, object()), {}, 0) is None  # unknown kinds of argument: Triton's own path
+    assert tune._spec((x,), {"Y": x}, 0) is None  # tensors by keyword: Triton's own path
     with pytest.raises(TypeError):  # unhashable keyword values: the lookup raises, launch takes Triton's path
         hash(tune._spec((x,), {"A": [1, 2]}, 0))
 

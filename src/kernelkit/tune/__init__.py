@@ -94,7 +94,10 @@ def _spec(args, kwargs, device):
             put(type(a))
         else:
             return None
-    key.extend(kwargs.items())
+    for item in kwargs.items():
+        if isinstance(item[1], _Tensor):  # by value it would pin the tensor and compare tensors on lookup
+            return None
+        put(item)
     return tuple(key)  # unhashable keyword values make the cache lookup raise TypeError: Triton's path
 
 
