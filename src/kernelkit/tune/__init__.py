@@ -64,6 +64,8 @@ _MAX_SPECS = 512  # per (kernel, key): past this, launches take Triton's own pat
 _Tensor = torch.Tensor
 _I32_MIN, _I32_MAX, _U64 = -(1 << 31), (1 << 31) - 1, 1 << 63
 _PLAIN = (float, bool, type(None))
+_MISSING = object()
+_driver_fns = None  # (get_current_device, get_current_stream) of Triton's active driver, on first use
 
 
 # Read once, like Triton decides between JIT and interpreter when a kernel is defined.
@@ -102,11 +104,11 @@ def _spec(args, kwargs, device):
 
 
 class _Compiled:
-    __slots__ = ("run", "function", "metadata", "tail", "grid_ok")
+    __slots__ = ("run", "function", "metadata", "tail")
 
-    def __init__(self, ck, tail, grid_ok):
+    def __init__(self, ck, tail):
         self.run, self.function, self.metadata = ck.run, ck.function, ck.packed_metadata
-        self.tail, self.grid_ok = tail, grid_ok
+        self.tail = tail
 
 
 def _remember(entry, spec, ck, grid, nargs, kw):
@@ -124,14 +126,13 @@ def _remember(entry, spec, ck, grid, nargs, kw):
             else:
                 tail = None
                 break
-        grid_ok = True
         if callable(grid):
             try:
                 grid(kw)
-            except (KeyError, TypeError, IndexError):
-                grid_ok = False
+            except (KeyError, TypeError, IndexError):  # the grid reads positional arguments
+                tail = None
         if tail is not None:
-            compiled = _Compiled(ck, tuple(tail), grid_ok)
+            compiled = _Compiled(ck, tuple(tail))
     if len(entry.compiled) < _MAX_SPECS:
         entry.compiled[spec] = compiled
 
@@ -172,7 +173,7 @@ def launch(kernel, grid, key, *args, **kwargs):
         ck = entry.jit[grid](*args, **kw)
         _remember(entry, spec, ck, grid, len(args), kw)
         return ck
-    if compiled is None or not compiled.grid_ok:
+    if compiled is None:
         return entry.jit[grid](*args, **kw)
     g = grid(kw) if callable(grid) else grid
     n = len(g)
@@ -180,9 +181,6 @@ def launch(kernel, grid, key, *args, **kwargs):
                  compiled.metadata, None, None, None, *args, *compiled.tail)
     return None
 
-
-_MISSING = object()
-_driver_fns = None
 
 
 def _get_device():
