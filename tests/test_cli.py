@@ -1,3 +1,8 @@
+import re
+import subprocess
+import sys
+
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -31,3 +36,76 @@ def test_check_runs_the_harness_on_cpu(monkeypatch):
     res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "1"])
     assert res.exit_code == 0, res.output
     assert "ok" in res.output
+
+
+def test_python_dash_m_kernelkit_runs_the_cli():
+    res = subprocess.run([sys.executable, "-m", "kernelkit", "--help"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "check" in res.stdout and "doctor" in res.stdout
+
+
+@pytest.mark.parametrize("trials", ["0", "-1"])
+def test_check_refuses_fewer_than_one_trial(monkeypatch, trials):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", trials])
+    assert res.exit_code == 2, res.output
+    assert "--trials" in res.output and "ok" not in res.output
+
+
+def test_check_spec_refuses_fewer_than_one_trial():
+    from kernelkit.ops import registry
+    from kernelkit.testing import check_spec
+
+    spec = registry.get("rms_norm")
+    with pytest.raises(ValueError, match="trials=0"):
+        check_spec(spec, spec.test_shapes[0], "float32", device="cpu", trials=0)
+
+
+def test_check_reports_how_many_checks_trials_and_failures(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernelkit.ops import registry
+
+    n = len(registry.get("rms_norm").test_shapes)
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--small", "--dtype", "float32",
+                              "--trials", "1"])
+    assert res.exit_code == 0, res.output
+    assert f"{n} checks (op x dtype x shape), 1 trial(s) each, {n} trials in all: 0 failed" in res.output
+
+
+def test_check_counts_failures_and_exits_1(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernelkit.testing as testing
+    from kernelkit.testing.correctness import CheckReport
+
+    monkeypatch.setattr(testing, "check_spec", lambda *a, **k: CheckReport(failures=["out: mismatch"]))
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "3"])
+    assert res.exit_code == 1, res.output
+    assert re.search(r"(\d+) checks .*3 trial\(s\) each, \d+ trials in all: \1 failed", res.output), res.output
+
+
+def test_check_cuda_without_gpu_is_a_usage_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cuda", "--dtype", "float32", "--trials", "1"])
+    assert res.exit_code == 2, res.output
+    assert "no CUDA GPU is visible" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", [None, "", "0"])
+def test_check_cpu_without_interpreter_says_to_set_it(monkeypatch, value):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    for args in (["--device", "cpu"], []):  # without a GPU, cpu is the default
+        res = runner.invoke(app, ["check", "rms_norm", *args, "--dtype", "float32", "--trials", "1"])
+        assert res.exit_code == 2, res.output
+        assert "TRITON_INTERPRET=1" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_check_unknown_op_or_device_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = runner.invoke(app, ["check", "no_such_op", "--device", "cpu"])
+    assert res.exit_code == 2 and "no op named 'no_such_op'" in res.output
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "tpu"])
+    assert res.exit_code == 2 and "use cuda or cpu" in res.output

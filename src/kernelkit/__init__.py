@@ -6,7 +6,12 @@ your model on its roofline, and swaps in Triton kernels that move every byte onc
 
 __version__ = "0.1.0"
 
+from ._requirements import check_versions  # noqa: E402
+
+check_versions()  # a clear ImportError naming the versions, before an older Triton fails deep inside
+
 from . import nn  # noqa: E402
+from .ops.attention import attention  # noqa: E402
 from .ops.cross_entropy import cross_entropy  # noqa: E402
 from .ops.glu import geglu, swiglu  # noqa: E402
 from .ops.layer_norm import layer_norm  # noqa: E402
@@ -16,5 +21,5 @@ from .ops.rope import rope  # noqa: E402
 from .ops.softmax import log_softmax, softmax  # noqa: E402
 from .profile import profile  # noqa: E402  (the function; the package stays importable as kernelkit.profile.*)
 
-__all__ = ["nn", "rms_norm", "layer_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy",
+__all__ = ["nn", "attention", "rms_norm", "layer_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy",
            "rope", "mxfp8_quantize", "mxfp8_dequantize", "profile", "__version__"]

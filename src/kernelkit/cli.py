@@ -124,33 +124,60 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
 def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
           dtype: str = typer.Option("all", help="float32, bfloat16, float16 or all"),
           device: Optional[str] = typer.Option(None, help="cuda or cpu (cpu needs TRITON_INTERPRET=1)"),
-          trials: int = typer.Option(2),
+          trials: int = typer.Option(2, min=1, help="fresh random inputs per op, dtype and shape (at least 1)"),
           small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)")):
     """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races)."""
+    import os
+
     import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .ops import registry
     from .testing import check_spec
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    names = sorted(registry.all_ops()) if op == "all" else [op]
+    if not (device == "cpu" or device.startswith("cuda")):
+        console.print(f"[red]--device {device!r}[/]: use cuda or cpu.", soft_wrap=True)
+        raise typer.Exit(2)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        console.print(f"[red]--device {device}: no CUDA GPU is visible[/]; "
+                      "run on a GPU, or use --device cpu with TRITON_INTERPRET=1.", soft_wrap=True)
+        raise typer.Exit(2)
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        console.print("[red]--device cpu runs the kernels in Triton's interpreter[/]: "
+                      "set TRITON_INTERPRET=1 (e.g. TRITON_INTERPRET=1 kernelkit check ...).", soft_wrap=True)
+        raise typer.Exit(2)
+    try:
+        specs = [registry.get(n) for n in (sorted(registry.all_ops()) if op == "all" else [op])]
+    except KeyError as e:
+        console.print(f"[red]{e.args[0]}[/]", soft_wrap=True)
+        raise typer.Exit(2)
+
+    plan = []  # (spec, dtype, shape): one check each
+    for spec in specs:
+        shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
+        for dt in (spec.dtypes if dtype == "all" else (dtype,)):
+            plan += [(spec, dt, shape) for shape in shapes]
     failed = 0
     table = Table(title=f"kernelkit check on {device}")
     for col in ("op", "dtype", "shape", "result", "worst rel. error"):
         table.add_column(col)
-    for name in names:
-        spec = registry.get(name)
-        shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
-        dtypes = spec.dtypes if dtype == "all" else (dtype,)
-        for dt in dtypes:
-            for shape in shapes:
-                rep = check_spec(spec, shape, dt, device=device, trials=trials)
-                failed += not rep.ok
-                worst = max(rep.errors.values(), default=0.0)
-                table.add_row(name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
-                              f"{worst:.2e}")
+    with Progress(TextColumn("[bold]checking[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("", total=len(plan))
+        for spec, dt, shape in plan:
+            bar.update(task, description=f"{spec.name} {dt} {shape}")
+            rep = check_spec(spec, shape, dt, device=device, trials=trials)
+            failed += not rep.ok
+            worst = max(rep.errors.values(), default=0.0)
+            table.add_row(spec.name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
+                          f"{worst:.2e}")
+            bar.advance(task)
     console.print(table)
-    if failed:
+    colour = "red" if failed or not plan else "green"
+    console.print(f"[{colour}]{len(plan)} checks (op x dtype x shape), {trials} trial(s) each, "
+                  f"{len(plan) * trials} trials in all: {failed} failed[/]", soft_wrap=True)
+    if failed or not plan:  # a check that ran nothing has passed nothing
         raise typer.Exit(1)
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass, field
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -95,9 +98,85 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _kernelkit_version() -> str:
+    from .. import __version__  # lazily: kernelkit/__init__ imports the ops, which import hw
+
+    return __version__
+
+
 def _cache_path(fp: dict) -> Path:
-    key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    # kernelkit's own version is in the key: a release that measures differently (another copy size,
+    # another matmul) must not read figures the previous one wrote.
+    keyed = {**fp, "kernelkit": _kernelkit_version()}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "ceilings" / f"{key}.json"
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _ceilings_from_cache(d, fp: dict) -> Ceilings:
+    """A cached file's contents as Ceilings; ValueError saying what is wrong with them otherwise."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, found {type(d).__name__}")
+    want = {f.name for f in fields(Ceilings)}
+    if set(d) != want:
+        missing, extra = sorted(want - set(d)), sorted(set(d) - want)
+        raise ValueError(f"keys differ from Ceilings' fields (missing {missing}, extra {extra})")
+    if not isinstance(d["gpu"], str) or not isinstance(d["fingerprint"], dict) or not isinstance(d["details"], dict):
+        raise ValueError("gpu must be a string, fingerprint and details objects")
+    if not (_is_number(d["copy_gbps"]) and d["copy_gbps"] > 0 and _is_number(d["launch_us"])):
+        raise ValueError("copy_gbps must be a positive number and launch_us a number")
+    if not all(isinstance(d[k], int) and not isinstance(d[k], bool) for k in ("l2_bytes", "sms")):
+        raise ValueError("l2_bytes and sms must be integers")
+    tflops = d["tflops"]
+    if not isinstance(tflops, dict) or not all(isinstance(k, str) and (v is None or _is_number(v))
+                                               for k, v in tflops.items()):
+        raise ValueError("tflops must map dtype names to numbers or null")
+    if d["fingerprint"] != fp:
+        raise ValueError("it was measured on another device fingerprint")
+    return Ceilings(**d)
+
+
+def _read_cache(path: Path, fp: dict) -> Ceilings | None:
+    """The cached ceilings, or None (a miss) when there are none or they cannot be trusted."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e
+    else:
+        try:
+            return _ceilings_from_cache(json.loads(text), fp)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            reason = e
+    warnings.warn(f"kernelkit: ignoring unreadable ceilings cache {path} ({reason}); measuring again",
+                  stacklevel=3)
+    return None
+
+
+def _write_cache(path: Path, ceil: Ceilings) -> None:
+    """Write through a temp file in the same directory and os.replace, so a reader in another
+    process sees the old file or the new one, never half of one."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=path.stem + ".",
+                                         suffix=".tmp", delete=False) as f:
+            tmp = f.name
+            json.dump(ceil.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a re-measure next time, not the result in hand
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        warnings.warn(f"kernelkit: could not write the ceilings cache {path} ({e})", stacklevel=3)
 
 
 def _median_ms(fn, rep_ms: int = 200) -> float:
@@ -163,8 +242,9 @@ def measure_launch_us() -> float:
 def measure_ceilings(force: bool = False, progress: Progress | None = None) -> Ceilings:
     """Measure (or load from cache) the present GPU's ceilings.
 
-    The cache key is the device fingerprint (GPU, driver, CUDA, torch, Triton), so an upgrade of
-    any of them measures again. `force=True` ignores the cache.
+    The cache key is the device fingerprint (GPU, driver, CUDA, torch, Triton) and kernelkit's
+    version, so an upgrade of any of them measures again; so does a cache file that cannot be read.
+    `force=True` ignores the cache.
     """
     import torch
 
@@ -173,8 +253,17 @@ def measure_ceilings(force: bool = False, progress: Progress | None = None) -> C
                            "(use Ceilings.from_spec(lookup(name)) to plan from a datasheet)")
     fp = device_fingerprint()
     path = _cache_path(fp)
-    if path.exists() and not force:
-        return Ceilings.from_json(json.loads(path.read_text()))
+    if not force:
+        cached = _read_cache(path, fp)
+        if cached is not None:
+            return cached
+    ceil = _measure(fp, progress)
+    _write_cache(path, ceil)
+    return ceil
+
+
+def _measure(fp: dict, progress: Progress | None = None) -> Ceilings:
+    import torch
 
     step = progress or (lambda label: None)
     step("copy bandwidth")
@@ -188,11 +277,8 @@ def measure_ceilings(force: bool = False, progress: Progress | None = None) -> C
     step("launch floor")
     launch = measure_launch_us()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    ceil = Ceilings(gpu=props.name, fingerprint=fp, copy_gbps=copy, tflops=tflops, launch_us=launch,
+    return Ceilings(gpu=props.name, fingerprint=fp, copy_gbps=copy, tflops=tflops, launch_us=launch,
                     l2_bytes=int(getattr(props, "L2_cache_size", 0)), sms=props.multi_processor_count)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ceil.to_json(), indent=1))
-    return ceil
 
 
 def ceilings_for(gpu: str | None = None) -> tuple[Ceilings, bool]:

@@ -170,6 +170,8 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
 
 def check_spec(spec, shape, dtype, device: str = "cuda", trials: int = 2, seed: int = 0, **kw) -> CheckReport:
     """`check` a registered op on fresh random inputs from its `make_inputs`, `trials` times."""
+    if trials < 1:  # a check that ran no trial has seen nothing, so it must not report ok
+        raise ValueError(f"trials={trials}: check_spec needs trials >= 1")
     dtype = as_dtype(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     merged = CheckReport()

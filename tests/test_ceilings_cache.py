@@ -1,0 +1,170 @@
+"""The measured-ceilings cache: keyed on kernelkit's version, a bad file is a miss, writes are atomic."""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import kernelkit
+from kernelkit.hw import Ceilings
+from kernelkit.hw import ceilings as ceil_mod
+
+FP = {"gpu": "Fake GPU", "capability": "9.0", "sms": 132, "driver": "1.0", "cuda": "13.0", "torch": "x",
+      "triton": "y", "python": "3.11"}
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """A visible 'GPU' whose measurement is a counter: no CUDA, no timing."""
+    monkeypatch.setenv("KERNELKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ceil_mod, "device_fingerprint", lambda: dict(FP))
+    calls = []
+
+    def measure(fp, progress=None):
+        calls.append(fp)
+        return Ceilings(gpu="Fake GPU", fingerprint=fp, copy_gbps=1000.0 + len(calls),
+                        tflops={"bf16": 100.0, "fp8": None}, launch_us=5.0, l2_bytes=1 << 20, sms=132)
+
+    monkeypatch.setattr(ceil_mod, "_measure", measure)
+    return calls
+
+
+def _cache_file(tmp_path):
+    files = list((tmp_path / "ceilings").glob("*.json"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_second_call_reads_the_cache(fake_gpu, tmp_path):
+    first = ceil_mod.measure_ceilings()
+    again = ceil_mod.measure_ceilings()
+    assert len(fake_gpu) == 1 and again == first
+    assert ceil_mod.measure_ceilings(force=True).copy_gbps == 1002.0
+
+
+def test_cache_key_includes_kernelkit_version(fake_gpu, tmp_path, monkeypatch):
+    ceil_mod.measure_ceilings()
+    monkeypatch.setattr(kernelkit, "__version__", "999.0.0")
+    ceil_mod.measure_ceilings()
+    assert len(fake_gpu) == 2
+    assert len(list((tmp_path / "ceilings").glob("*.json"))) == 2
+
+
+GOOD = Ceilings(gpu="Fake GPU", fingerprint=dict(FP), copy_gbps=900.0, tflops={"bf16": 90.0}, launch_us=4.0,
+                l2_bytes=1, sms=132).to_json()
+
+
+def _edited(**changes):
+    d = json.loads(json.dumps(GOOD))
+    for k, v in changes.items():
+        if v is _DROP:
+            del d[k]
+        else:
+            d[k] = v
+    return json.dumps(d)
+
+
+_DROP = object()
+
+BAD_FILES = {
+    "garbage bytes": b"\xff\xfe\x00\x81garbage\x00",
+    "empty": b"",
+    "truncated json": json.dumps(GOOD).encode()[:40],
+    "a list": b"[1, 2, 3]",
+    "missing key": _edited(launch_us=_DROP).encode(),
+    "missing defaulted key": _edited(details=_DROP).encode(),
+    "extra key": _edited(extra=1).encode(),
+    "copy_gbps a string": _edited(copy_gbps="fast").encode(),
+    "copy_gbps zero": _edited(copy_gbps=0).encode(),
+    "tflops a list": _edited(tflops=[1, 2]).encode(),
+    "tflops value a string": _edited(tflops={"bf16": "90"}).encode(),
+    "sms a float": _edited(sms=1.5).encode(),
+    "fingerprint a string": _edited(fingerprint="h100").encode(),
+    "another device": _edited(fingerprint={**FP, "gpu": "Other GPU"}).encode(),
+}
+
+
+@pytest.mark.parametrize("content", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_unreadable_cache_file_is_a_miss_with_a_warning(fake_gpu, tmp_path, content):
+    ceil_mod.measure_ceilings()
+    path = _cache_file(tmp_path)
+    path.write_bytes(content)
+    with pytest.warns(UserWarning, match="unreadable ceilings cache") as rec:
+        c = ceil_mod.measure_ceilings()
+    assert str(path) in str(rec[0].message) and "\n" not in str(rec[0].message)
+    assert len(fake_gpu) == 2 and c.copy_gbps == 1002.0
+    # the re-measured figures replaced the bad file
+    assert json.loads(path.read_text())["copy_gbps"] == 1002.0
+    assert ceil_mod.measure_ceilings().copy_gbps == 1002.0 and len(fake_gpu) == 2
+
+
+def test_a_valid_hand_written_file_is_read(fake_gpu, tmp_path):
+    ceil_mod.measure_ceilings()
+    path = _cache_file(tmp_path)
+    path.write_text(json.dumps(GOOD))
+    assert ceil_mod.measure_ceilings().copy_gbps == 900.0 and len(fake_gpu) == 1
+
+
+def test_a_directory_in_place_of_the_file_does_not_crash(fake_gpu, tmp_path):
+    ceil_mod.measure_ceilings()
+    path = _cache_file(tmp_path)
+    path.unlink()
+    path.mkdir()
+    with pytest.warns(UserWarning):
+        c = ceil_mod.measure_ceilings()
+    assert c.copy_gbps == 1002.0
+
+
+def test_write_is_atomic_through_os_replace(fake_gpu, tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        # at the moment of the swap the whole new file is already on disk beside the target
+        assert os.path.dirname(os.fspath(src)) == os.path.dirname(os.fspath(dst))
+        seen.append(json.loads(open(src).read())["copy_gbps"])
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ceil_mod.os, "replace", replace)
+    ceil_mod.measure_ceilings()
+    assert seen == [1001.0]
+    assert [p.name for p in (tmp_path / "ceilings").iterdir()] == [_cache_file(tmp_path).name]  # no temp left
+
+
+def test_failed_write_leaves_no_partial_file(fake_gpu, tmp_path, monkeypatch):
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ceil_mod.os, "replace", boom)
+    with pytest.warns(UserWarning, match="could not write"):
+        c = ceil_mod.measure_ceilings()
+    assert c.copy_gbps == 1001.0
+    assert list((tmp_path / "ceilings").iterdir()) == []
+
+
+def test_concurrent_readers_never_see_a_half_written_file(fake_gpu, tmp_path):
+    ceil_mod.measure_ceilings()
+    path = _cache_file(tmp_path)
+    big = Ceilings(gpu="Fake GPU", fingerprint=dict(FP), copy_gbps=1.0, tflops={}, launch_us=1.0,
+                   details={"pad": "x" * 1_000_000})
+    stop, bad = threading.Event(), []
+
+    def read():
+        while not stop.is_set():
+            try:
+                json.loads(path.read_text())
+            except ValueError as e:
+                bad.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for _ in range(20):
+            ceil_mod._write_cache(path, big)
+    finally:
+        stop.set()
+        t.join()
+    assert bad == []
