@@ -61,7 +61,7 @@ def test_scale_and_non_contiguous(log, scale, device):
     base = torch.randn(30, 2 * 301, device=device)
     x = base[::3, ::2]
     fn, ref = (mod.log_softmax, mod.log_reference) if log else (mod.softmax, mod.reference)
-    check(lambda x: fn(x, scale), lambda x: ref(x, scale), (x,), grad_args=(0,)).raise_if_failed()
+    check(lambda x: fn(x, scale=scale), lambda x: ref(x, scale=scale), (x,), grad_args=(0,)).raise_if_failed()
 
 
 def test_negative_scale_on_long_rows(device, long_rows):
@@ -69,7 +69,7 @@ def test_negative_scale_on_long_rows(device, long_rows):
     for shape in [(16, 200), (2, 300)]:
         x = torch.randn(shape, device=device)
         for fn, ref in ((mod.softmax, mod.reference), (mod.log_softmax, mod.log_reference)):
-            check(fn, ref, (x, scale), grad_args=(0,)).raise_if_failed()
+            check(fn, ref, (x,), {"scale": scale}, grad_args=(0,)).raise_if_failed()
 
 
 @pytest.mark.parametrize("m", [3, 16])
@@ -113,7 +113,8 @@ def test_empty_inputs(device, long_rows):
 @pytest.mark.parametrize("call,err,match", [
     (lambda d: mod.softmax(torch.ones(2, 3, dtype=torch.int64, device=d)), TypeError, "x has dtype int64"),
     (lambda d: mod.softmax(torch.ones(2, 3, dtype=torch.float64, device=d)), TypeError, "x has dtype float64"),
-    (lambda d: mod.softmax(torch.tensor(1.0, device=d)), ValueError, "x must have at least 1 dimension"),
+    (lambda d: mod.softmax(torch.ones(2, 3, device=d), 0.5), TypeError, "dim must be an int"),
+    (lambda d: mod.softmax(torch.ones(2, 3, device=d), 2), IndexError, "dim 2 is out of range"),
     (lambda d: mod.softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
     (lambda d: mod.log_softmax(torch.ones(2, 3, device=d), scale=torch.tensor(2.0)), TypeError, "scale must be"),
     (lambda d: mod.softmax(torch.ones(2, 3, device=d), scale=True), TypeError, "scale must be"),
@@ -139,12 +140,12 @@ def test_custom_op_schema_fake_trace_and_compile(log, device):
     torch.library.opcheck(torch.ops.kernelkit.softmax_bwd.default, (torch.randn_like(x), x.softmax(-1), 0.5, log),
                           test_utils=("test_schema", "test_faketensor"))
     fn = mod.log_softmax if log else mod.softmax
-    gm = make_fx(lambda x: fn(x, 0.5), tracing_mode="fake")(x)
+    gm = make_fx(lambda x: fn(x, scale=0.5), tracing_mode="fake")(x)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert calls == [torch.ops.kernelkit.softmax.default], calls
 
     x.requires_grad_(True)
-    y = compile_as_one_node(lambda x: fn(x, 2.0), (x,), "softmax")
+    y = compile_as_one_node(lambda x: fn(x, scale=2.0), (x,), "softmax")
     want = torch.log_softmax(2.0 * x, -1) if log else torch.softmax(2.0 * x, -1)
     torch.testing.assert_close(y, want)
 
@@ -154,7 +155,7 @@ def test_expanded_output_gradient(n, device):
     # .sum() backpropagates a stride-0 gradient: it must be read as the broadcast it is.
     x = torch.randn(5, n, device=device, requires_grad=True)
     xr = x.detach().double().requires_grad_(True)
-    mod.log_softmax(x, 0.5).sum().backward()
+    mod.log_softmax(x, scale=0.5).sum().backward()
     torch.log_softmax(0.5 * xr, -1).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad.float())
 
@@ -212,7 +213,7 @@ def test_every_long_row_kernel_compiles_for_sm90(long_rows):
         for shape in [(16, 300), (3, 300)]:
             for fn in (mod.softmax, mod.log_softmax):
                 x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
-                fn(x, 0.5).backward(torch.randn(shape, dtype=torch.bfloat16))
+                fn(x, scale=0.5).backward(torch.randn(shape, dtype=torch.bfloat16))
     records = compile_check.unique(records)
     assert {r["kernel"].split(":")[1] for r in records} == {
         "softmax_fwd_looped_kernel", "softmax_bwd_looped_kernel", "softmax_fwd_partial_kernel",
@@ -245,7 +246,7 @@ def test_gpu_nan_propagates_on_every_path(shape):
 @pytest.mark.gpu
 def test_gpu_compile_fullgraph():
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    f = torch.compile(lambda x: (kernelkit.softmax(x, 0.125) * x).sum(), fullgraph=True)
+    f = torch.compile(lambda x: (kernelkit.softmax(x, scale=0.125) * x).sum(), fullgraph=True)
     f(x).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..tune import interpreting
@@ -26,15 +28,20 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
     return x
 
 
-def wants_grad(*tensors) -> bool:
-    """Whether a call must record an autograd node: grad mode is on and an input requires grad.
-    Otherwise the public functions call their launcher directly, skipping `autograd.Function.apply`
-    (microseconds of host time a call, which small inference-time ops feel)."""
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                return True
-    return False
+from ._dispatch import wants_grad  # noqa: E402,F401  (re-exported: op files check it before dispatching)
+
+
+def number(v, name: str, *, low: float | None = None, finite: bool = True, allow_bool: bool = False) -> float:
+    """A Python (or 0-dim tensor) real number as float, with an error naming the argument otherwise."""
+    if isinstance(v, bool) and not allow_bool or not isinstance(v, (int, float)):
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex() and not v.is_meta:
+            v = v.item()
+        else:
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if finite and not math.isfinite(v) or low is not None and not v >= low:
+        raise ValueError(f"{name} must be a finite number{f' >= {low:g}' if low is not None else ''}, got {v!r}")
+    return v
 
 
 def same_device(x: torch.Tensor, name: str, other: torch.Tensor, other_name: str) -> None:
@@ -42,9 +49,46 @@ def same_device(x: torch.Tensor, name: str, other: torch.Tensor, other_name: str
         raise ValueError(f"{name} is on {x.device} but {other_name} is on {other.device}; put both on one device")
 
 
+# --- layouts: what a kernel argument must look like, copying only where the kernel cannot take it ---
+# Counts the layout copies made, so tests can prove that a layout a kernel takes natively (a row-padded
+# activation, say) reached the kernel as it is instead of being copied first.
+copies = 0
+
+
+def _copied(x: torch.Tensor) -> torch.Tensor:
+    global copies
+    copies += 1
+    return x.contiguous()
+
+
 def rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
-    """View x as (rows, n) with a unit stride along n, copying only when it must."""
-    x2 = x.reshape(-1, n)
+    """x as (rows, n) with a unit stride along n and any row stride (kernels take the row stride):
+    a row-padded, row-sliced or row-broadcast (stride 0) activation is passed as it is; a copy is made
+    only when the rows cannot be one strided dimension or n is not the innermost."""
+    if x.dim() == 2:
+        x2 = x
+    else:
+        try:
+            x2 = x.view(-1, n)
+        except RuntimeError:  # leading dims that no single stride can walk (x[:, ::2] of a 3-D x, say)
+            x2 = _copied(x).reshape(-1, n)
     if n > 1 and x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+        x2 = _copied(x2)
     return x2
+
+
+def vector(w: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """A (n,) parameter with unit stride, as kernels index it: a stepped slice, a column of a 2-D
+    parameter or an expanded (stride-0) vector is copied; an offset view is taken as it is."""
+    if tuple(w.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(w.shape)}")
+    if n > 1 and w.stride(0) != 1:
+        return _copied(w)
+    return w
+
+
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x with a unit stride along its last dim (other strides as they are), copying only when it must."""
+    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        return _copied(x)
+    return x

@@ -18,17 +18,18 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, launch, next_pow2
 from . import _validate
+from ._dispatch import differentiable_backward, dispatch, reference_vjp
 from .registry import OpSpec, optional_import, register
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = ("tanh", "none")
 _ACTS = {"tanh": GELU_TANH, "none": GELU_ERF}
+_NAMES = {v: k for k, v in _ACTS.items()}
 # Kernels may read only constexpr globals.
 TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 GELU_CUBIC = tl.constexpr(0.044715)
@@ -233,6 +234,13 @@ for _op in (_swiglu_op, _geglu_op):
     _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    if ctx.act == SILU:
+        return reference_vjp(swiglu_reference, (gate, up), (dout,), 3)
+    return reference_vjp(geglu_reference, (gate, up, _NAMES[ctx.act]), (dout,))
+
+
 class _GLUFunction(torch.autograd.Function):
     """The eager path: the same launchers as the custom ops with less per-call host overhead."""
 
@@ -243,10 +251,19 @@ class _GLUFunction(torch.autograd.Function):
         return glu_fwd(gate, up, act)
 
     @staticmethod
+    @differentiable_backward(_double_backward, "swiglu/geglu")
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
         dg, du = glu_bwd(dout, gate, up, ctx.act)
         return dg, du, None
+
+
+def _swiglu_traced(gate, up, act):
+    return _swiglu_op(gate, up)
+
+
+def _geglu_traced(gate, up, act):
+    return _geglu_op(gate, up, _NAMES[act])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,11 +275,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     reads gate, up and the output gradient and recomputes silu (nothing extra is saved); with the
     concatenated layout it returns one (..., 2H) gradient.
     """
-    if torch.compiler.is_compiling() or is_fake(gate):  # traced: one graph node with a registered backward
-        return _swiglu_op(gate, up)
-    if not _validate.wants_grad(gate, up):
-        return glu_fwd(gate, up, SILU)
-    return _GLUFunction.apply(gate, up, SILU)
+    return dispatch(_swiglu_traced, glu_fwd, _GLUFunction, 2, (gate, up, SILU))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
@@ -270,11 +283,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str =
     'none' (exact erf), as `F.gelu`; shapes, dtypes, layouts and backward as `swiglu`."""
     if approximate not in _GELU:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    if torch.compiler.is_compiling() or is_fake(gate):
-        return _geglu_op(gate, up, approximate)
-    if not _validate.wants_grad(gate, up):
-        return glu_fwd(gate, up, _ACTS[approximate])
-    return _GLUFunction.apply(gate, up, _ACTS[approximate])
+    return dispatch(_geglu_traced, glu_fwd, _GLUFunction, 2, (gate, up, _ACTS[approximate]))
 
 
 def _halves(gate, up):

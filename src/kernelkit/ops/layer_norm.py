@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty, empty_like
 from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
-from .rms_norm import _column_sum
+from ._dispatch import differentiable_backward, dispatch, reference_vjp
+from .rms_norm import _check_trailing, _column_sum
 
 # Longest row the forward holds in registers; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
@@ -170,21 +170,28 @@ def layer_norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIA
             tl.store(DX + r64 * stride_dx + cols, ((wdy - (xhat * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=m)
 
 
+def _param(t, name, x):
+    if t is None:
+        return None
+    if isinstance(t, (tuple, list, torch.Size)):
+        raise TypeError(f"{name} is a {type(t).__name__}: kernelkit.layer_norm(x, weight, bias, eps) normalizes "
+                        f"the last dim and takes no normalized_shape (F.layer_norm's second argument); "
+                        f"pass weight and bias by keyword")
+    _validate.tensor(t, name)
+    _validate.same_device(t, name, x, "x")
+    return _validate.vector(t, name, x.shape[-1])
+
+
 def _validate_inputs(x, weight, bias, eps):
+    """Checks the arguments; returns weight and bias as the kernels index them (unit stride)."""
     _validate.tensor(x, "x", min_dim=1)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None:
-            _validate.tensor(t, name)
-            _validate.same_device(t, name, x, "x")
-            if t.shape != (x.shape[-1],):
-                raise ValueError(f"{name} must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(t.shape)}")
-    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _validate.number(eps, "eps", low=0.0)
+    return _param(weight, "weight", x), _param(bias, "bias", x)
 
 
 def layer_norm_fwd(x, weight, bias, eps):
     """Launch the forward. Returns (y, mean, rstd); mean and rstd are fp32 of shape x.shape[:-1]."""
-    _validate_inputs(x, weight, bias, eps)
+    weight, bias = _validate_inputs(x, weight, bias, eps)
     n = x.shape[-1]
     y = empty_like(x)
     mean = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -212,9 +219,12 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     n = x.shape[-1]
     dx = empty_like(x)
     has_w, has_b = weight is not None, bias is not None
+    weight = _validate.vector(weight, "weight", n) if has_w else None
+    bias = _validate.vector(bias, "bias", n) if has_b else None
     none = x.new_empty(0)
     if x.numel() == 0:
-        return dx, (torch.zeros_like(weight) if has_w else none), (torch.zeros_like(bias) if has_b else none)
+        zeros = lambda t: torch.zeros(n, dtype=t.dtype, device=x.device)  # noqa: E731
+        return dx, (zeros(weight) if has_w else none), (zeros(bias) if has_b else none)
     x2, dy2, dx2 = _validate.rows_2d(x, n), _validate.rows_2d(dy, n), dx.view(-1, n)
     m = x2.shape[0]
     mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
@@ -282,14 +292,21 @@ def _backward(ctx, dy, _dmean, _drstd):
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, dy):
+    x, weight, bias, _, _ = ctx.saved_tensors
+    return reference_vjp(reference, (x, weight, bias, ctx.eps), (dy,))
+
+
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps = eps
         return y
 
     @staticmethod
+    @differentiable_backward(lambda ctx, dy: _double_backward(ctx, dy), "layer_norm")
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
@@ -306,11 +323,15 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     backward kernel writes dx and per-program dweight/dbias partials, summed by a second (in the
     parameters' dtypes).
     """
-    if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
-        return _layer_norm_op(x, weight, bias, float(eps))[0]
-    if not _validate.wants_grad(x, weight, bias):
-        return layer_norm_fwd(x, weight, bias, float(eps))[0]
-    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+    for name, t in (("weight", weight), ("bias", bias)):
+        if isinstance(t, (tuple, list, torch.Size)):
+            _param(t, name, x)
+    args = (x, weight, bias, _validate.number(eps, "eps", low=0.0))
+    return dispatch(_layer_norm_op, layer_norm_fwd, _LayerNormFunction, 3, args, _first)
+
+
+def _first(out):
+    return out[0]
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -325,6 +346,7 @@ class LayerNorm(torch.nn.LayerNorm):
 
         if x.device.type != "cuda" and not interpreting():
             return super().forward(x)
+        _check_trailing(x, self.normalized_shape, type(self).__name__)
         n = math.prod(self.normalized_shape)
         w = self.weight.reshape(n) if self.weight is not None else None
         b = self.bias.reshape(n) if self.bias is not None else None

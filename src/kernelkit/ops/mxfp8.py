@@ -32,6 +32,7 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, interpreting, launch, next_pow2
 from . import _validate
+from ._dispatch import dispatch
 from .registry import OpSpec, register
 
 BLOCK = 32  # elements per shared scale (the MX block size)
@@ -253,18 +254,14 @@ def mxfp8_quantize(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3f
     scales: (..., K // 32) uint8 E8M0 biased exponents (X = 2^(s - 127), 255 = NaN), row-major,
     unswizzled. One pass: block amax, scale and saturating round-to-nearest-even cast fused.
     """
-    if torch.compiler.is_compiling():
-        return _quantize_op(x, elem_dtype)
-    return quantize_fwd(x, elem_dtype)
+    return dispatch(_quantize_op, quantize_fwd, None, 0, (x, elem_dtype))  # no gradient: nothing to record
 
 
 def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
     """Dequantize MXFP8: ``data × 2^(scales - 127)`` per 32-element block, computed in fp32, rounded
     once to ``out_dtype`` (float32, bfloat16 or float16); blocks with scale 255 come back NaN.
     data: (..., K) float8_e4m3fn or float8_e5m2; scales: (..., K // 32) uint8."""
-    if torch.compiler.is_compiling():
-        return _dequantize_op(data, scales, out_dtype)
-    return dequantize_fwd(data, scales, out_dtype)
+    return dispatch(_dequantize_op, dequantize_fwd, None, 0, (data, scales, out_dtype))
 
 
 def reference_quantize(x: torch.Tensor, elem_dtype: torch.dtype = torch.float8_e4m3fn):

@@ -27,6 +27,7 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, launch, next_pow2
 from . import _validate
+from ._dispatch import differentiable_backward, dispatch
 from .registry import OpSpec, optional_import, register
 
 COS_COMPUTED, COS_TABLE, COS_PER_TOKEN = 0, 1, 2
@@ -139,10 +140,12 @@ def _inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tenso
 
 
 def _empty_same_layout(x: torch.Tensor, alloc=empty) -> torch.Tensor:
-    """A dense output whose dims are laid out in x's stride order (like empty_like, also for slices)."""
-    if x.is_contiguous():
+    """A dense output whose dims are laid out in x's stride order (like empty_like, also for slices), head_dim
+    innermost; contiguous when x broadcasts a dim (stride 0: one batch's q for all, k shared by all heads),
+    where the stride order says nothing about a dense layout."""
+    if x.is_contiguous() or any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         return alloc(x.shape, dtype=x.dtype, device=x.device)
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
+    order = sorted(range(x.dim() - 1), key=lambda d: (-x.stride(d), -d)) + [x.dim() - 1]
     t = alloc(tuple(x.shape[d] for d in order), dtype=x.dtype, device=x.device)
     return t.permute([order.index(d) for d in range(x.dim())])
 
@@ -168,6 +171,12 @@ def resolve_rotary_dim(head_dim: int, cos: Optional[torch.Tensor], rotary_dim: O
             rotary_dim = 2 * cos.shape[-1]
         else:
             rotary_dim = cos.shape[-1]
+    if cos is not None and isinstance(cos, torch.Tensor) and cos.dim() >= 1 and cos.shape[-1] > head_dim:
+        raise ValueError(f"the cos/sin table is {cos.shape[-1]} wide but head_dim is {head_dim}: a table holds at "
+                         f"most head_dim columns (rotary_dim // 2, or rotary_dim with duplicated halves)")
+    if rotary_dim is not None and head_dim % 2 and rotary_dim == head_dim:
+        raise ValueError(f"head_dim {head_dim} is odd, so all of it cannot rotate in pairs: pass an even "
+                         f"rotary_dim < head_dim (the remaining dims pass through)")
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be an even int in (0, head_dim={head_dim}], got {rotary_dim!r}")
     return rotary_dim
@@ -310,20 +319,31 @@ def _backward(ctx, dq, dk):
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, dq, dk):
+    """The backward through the Function itself, which records a graph: rotating back is linear."""
+    cos, sin, position_ids = ctx.saved_tensors
+    offset, rotary_dim, interleaved, base, heads_first, inverse = ctx.rest
+    dq, dk = _RoPEFunction.apply(dq, dk, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first,
+                                 not inverse)
+    return (dq, dk) + (None,) * 9
+
+
 class _RoPEFunction(torch.autograd.Function):
     """The eager path: same launcher as the custom op, less per-call overhead (see rms_norm)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first):
+    def forward(ctx, q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse):
         ctx.save_for_backward(cos, sin, position_ids)
-        ctx.rest = (offset, rotary_dim, interleaved, base, heads_first)
-        return rope_fwd(q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first)
+        ctx.rest = (offset, rotary_dim, interleaved, base, heads_first, inverse)
+        return rope_fwd(q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse)
 
     @staticmethod
+    @differentiable_backward(_double_backward, "rope")
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
-        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.rest, inverse=True)
-        return dq, dk, None, None, None, None, None, None, None, None
+        *rest, inverse = ctx.rest
+        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *rest, inverse=not inverse)
+        return (dq, dk) + (None,) * 9
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
@@ -349,11 +369,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, s
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         rotary_dim = resolve_rotary_dim(q.shape[-1], cos, rotary_dim)
     args = (q, k, cos, sin, position_ids, offset, rotary_dim, bool(interleaved), float(base), layout == "bhsd")
-    if torch.compiler.is_compiling():
-        return _rope_op(*args, False)
-    if not _validate.wants_grad(q, k):
-        return rope_fwd(*args)
-    return _RoPEFunction.apply(*args)
+    return dispatch(_rope_op, rope_fwd, _RoPEFunction, 2, (*args, False))
 
 
 def _per_token_angles(q, cos, sin, position_ids, offset, rotary_dim, interleaved, base, wd):

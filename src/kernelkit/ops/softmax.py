@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty_like
 from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
+from ._dispatch import differentiable_backward, dispatch
 from .registry import OpSpec, optional_import, register
 
 # Longest row held in registers by one program (32 fp32 per thread at 32 warps).
@@ -353,6 +353,17 @@ def _backward(ctx, dy):
 _softmax_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, dy):
+    """The backward in PyTorch ops, from y and dy: differentiable, for create_graph=True."""
+    (y,) = ctx.saved_tensors
+    yf, dyf = y.float(), dy.float()
+    if ctx.log:
+        dx = dyf - yf.exp() * dyf.sum(-1, keepdim=True)
+    else:
+        dx = yf * (dyf - (dyf * yf).sum(-1, keepdim=True))
+    return (ctx.scale * dx).to(y.dtype), None, None
+
+
 class _SoftmaxFunction(torch.autograd.Function):
     """The eager path: the same launchers as the custom op with less per-call host overhead."""
 
@@ -364,59 +375,72 @@ class _SoftmaxFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @differentiable_backward(_double_backward, "softmax")
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return softmax_bwd(dy, y, ctx.scale, ctx.log), None, None
 
 
-def _dispatch(x, scale, log):
+def _along(x, dim, scale, log):
+    """Validate the torch-style arguments, run the kernels over the last dim, with `dim` moved there."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the dim to normalize over), got {type(dim).__name__}; "
+                        f"the scale is keyword-only: softmax(x, dim=-1, scale=...)")
     _check_scale(scale)
-    if torch.compiler.is_compiling() or is_fake(x):  # traced: one graph node with a registered backward
-        return _softmax_op(x, float(scale), log)
-    if not _validate.wants_grad(x):
-        return softmax_fwd(x, float(scale), log)
-    return _SoftmaxFunction.apply(x, float(scale), log)
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise IndexError(f"dim {dim} is out of range for a {x.dim()}-D x (expected in [{-nd}, {nd - 1}])")
+    if x.dim() == 0:  # torch: a 0-d input is one row of one element
+        return dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x.reshape(1), float(scale), log)).reshape(())
+    if dim % nd == nd - 1:
+        return dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x, float(scale), log))
+    # The kernels normalize the last dim: move `dim` there (the launcher copies it to unit stride) and back.
+    y = dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x.movedim(dim, -1), float(scale), log))
+    return y.movedim(-1, dim)
 
 
-def softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``softmax(scale * x)`` over the last dim.
+def softmax(x: torch.Tensor, dim: int = -1, *, scale: float = 1.0) -> torch.Tensor:
+    """``softmax(scale * x, dim)``, like ``torch.softmax(x * scale, dim)``.
 
-    x: (..., N), N >= 1, float32/bfloat16/float16, any strides; returns x's shape and dtype. The scale
+    x: any shape, float32/bfloat16/float16, any strides; returns x's shape and dtype. The kernels
+    normalize the last dim; another `dim` is moved there (one copy of x) and back. The scale
     (attention's 1/sqrt(d), say) is fused into the load; max, exponentials and sum are fp32 and y is
     rounded once. Rows up to 32768 are held in registers; longer rows take an online kernel (split
     over several programs per row when there are fewer rows than SMs). The backward reads only y and
     dy: dx = scale * y * (dy - sum(dy * y)).
     """
-    return _dispatch(x, scale, False)
+    return _along(x, dim, scale, False)
 
 
-def log_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``log_softmax(scale * x)`` over the last dim; shapes, dtypes and paths as `softmax`.
+def log_softmax(x: torch.Tensor, dim: int = -1, *, scale: float = 1.0) -> torch.Tensor:
+    """``log_softmax(scale * x, dim)``; shapes, dtypes, dims and paths as `softmax`.
 
     The backward reads only y and dy: dx = scale * (dy - exp(y) * sum(dy)).
     """
-    return _dispatch(x, scale, True)
+    return _along(x, dim, scale, True)
 
 
-def reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def reference(x: torch.Tensor, dim: int = -1, *, scale: float = 1.0) -> torch.Tensor:
     xf = x.float() if x.dtype != torch.float64 else x
-    return torch.softmax(xf * scale, dim=-1).to(x.dtype)
+    return torch.softmax(xf * scale, dim=dim).to(x.dtype)
 
 
-def log_reference(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def log_reference(x: torch.Tensor, dim: int = -1, *, scale: float = 1.0) -> torch.Tensor:
     xf = x.float() if x.dtype != torch.float64 else x
-    return torch.log_softmax(xf * scale, dim=-1).to(x.dtype)
+    return torch.log_softmax(xf * scale, dim=dim).to(x.dtype)
 
 
-def _eager(x, scale=1.0):
-    return torch.softmax(x * scale if scale != 1.0 else x, dim=-1)
+def _eager(x, dim=-1, *, scale=1.0):
+    return torch.softmax(x * scale if scale != 1.0 else x, dim=dim)
 
 
-def _eager_log(x, scale=1.0):
-    return torch.log_softmax(x * scale if scale != 1.0 else x, dim=-1)
+def _eager_log(x, dim=-1, *, scale=1.0):
+    return torch.log_softmax(x * scale if scale != 1.0 else x, dim=dim)
 
 
-def cost(x: torch.Tensor, scale: float = 1.0, backward: bool = False) -> Cost:
+def cost(x: torch.Tensor, dim: int = -1, *, scale: float = 1.0, backward: bool = False) -> Cost:
     """Ideal traffic: forward reads x, writes y; backward reads y and dy, writes dx."""
     n, b = x.numel(), x.element_size()
     return Cost(flops=(4.0 if backward else 5.0) * n, bytes=(3.0 if backward else 2.0) * n * b,
@@ -430,7 +454,8 @@ def make_inputs(shape, dtype, device, generator=None):
 
 def _liger_loader():
     fn = optional_import("liger_kernel.transformers.functional", "liger_softmax")()
-    return None if fn is None else (lambda x, scale=1.0: fn(x * scale if scale != 1.0 else x))
+    # Liger's softmax normalizes the last dim, the only dim the benchmarks use.
+    return None if fn is None else (lambda x, dim=-1, *, scale=1.0: fn(x * scale if scale != 1.0 else x))
 
 
 _COMMON = {
