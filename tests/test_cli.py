@@ -69,7 +69,8 @@ def test_check_reports_how_many_checks_trials_and_failures(monkeypatch):
     res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--small", "--dtype", "float32",
                               "--trials", "1"])
     assert res.exit_code == 0, res.output
-    assert f"{n} checks (op x dtype x shape), 1 trial(s) each, {n} trials in all: 0 failed" in res.output
+    assert re.search(rf"{n} checks \(op x dtype x shape\), 1 trial\(s\) each, {n} trials in all; 1 layout checks, "
+                     rf"[1-9]\d* layout cases: 0 failed", res.output), res.output
 
 
 def test_check_counts_failures_and_exits_1(monkeypatch):
@@ -78,9 +79,11 @@ def test_check_counts_failures_and_exits_1(monkeypatch):
     from kernelkit.testing.correctness import CheckReport
 
     monkeypatch.setattr(testing, "check_spec", lambda *a, **k: CheckReport(failures=["out: mismatch"]))
-    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "3"])
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "3",
+                              "--no-layouts"])
     assert res.exit_code == 1, res.output
-    assert re.search(r"(\d+) checks .*3 trial\(s\) each, \d+ trials in all: \1 failed", res.output), res.output
+    assert re.search(r"(\d+) checks .*3 trial\(s\) each, \d+ trials in all; 0 layout checks, 0 layout cases: \1 failed",
+                     res.output), res.output
 
 
 def test_check_cuda_without_gpu_is_a_usage_error(monkeypatch):

@@ -125,7 +125,9 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
           dtype: str = typer.Option("all", help="float32, bfloat16, float16 or all"),
           device: Optional[str] = typer.Option(None, help="cuda or cpu (cpu needs TRITON_INTERPRET=1)"),
           trials: int = typer.Option(2, min=1, help="fresh random inputs per op, dtype and shape (at least 1)"),
-          small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)")):
+          small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)"),
+          layouts: bool = typer.Option(True, help="also pass every tensor argument as a row-padded, column-major, "
+                                                  "stepped, offset, misaligned and broadcast view")):
     """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races)."""
     import os
 
@@ -134,6 +136,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
 
     from .ops import registry
     from .testing import check_spec
+    from .testing.layouts import check_layouts, layout_shape
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -158,7 +161,9 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
         shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
         for dt in (spec.dtypes if dtype == "all" else (dtype,)):
             plan += [(spec, dt, shape) for shape in shapes]
-    failed = 0
+            if layouts:
+                plan.append((spec, dt, "layouts"))
+    failed = layout_cases = 0
     table = Table(title=f"kernelkit check on {device}")
     for col in ("op", "dtype", "shape", "result", "worst rel. error"):
         table.add_column(col)
@@ -167,7 +172,12 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
         task = bar.add_task("", total=len(plan))
         for spec, dt, shape in plan:
             bar.update(task, description=f"{spec.name} {dt} {shape}")
-            rep = check_spec(spec, shape, dt, device=device, trials=trials)
+            if shape == "layouts":
+                rep, cases = check_layouts(spec, dt, device)
+                layout_cases += cases
+                shape = f"{cases} layouts of {layout_shape(spec)}"
+            else:
+                rep = check_spec(spec, shape, dt, device=device, trials=trials)
             failed += not rep.ok
             worst = max(rep.errors.values(), default=0.0)
             table.add_row(spec.name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
@@ -175,8 +185,11 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
             bar.advance(task)
     console.print(table)
     colour = "red" if failed or not plan else "green"
-    console.print(f"[{colour}]{len(plan)} checks (op x dtype x shape), {trials} trial(s) each, "
-                  f"{len(plan) * trials} trials in all: {failed} failed[/]", soft_wrap=True)
+    n_layout = sum(1 for p in plan if p[2] == "layouts")
+    n_shape = len(plan) - n_layout
+    console.print(f"[{colour}]{n_shape} checks (op x dtype x shape), {trials} trial(s) each, "
+                  f"{n_shape * trials} trials in all; {n_layout} layout checks, {layout_cases} layout cases: "
+                  f"{failed} failed[/]", soft_wrap=True)
     if failed or not plan:  # a check that ran nothing has passed nothing
         raise typer.Exit(1)
 

@@ -213,7 +213,7 @@ def _glu_bwd_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
 
 @_glu_bwd_op.register_fake
 def _(dout, gate, up, act):
-    return torch.empty_like(gate), (torch.empty_like(up) if up is not None else gate.new_empty(0))
+    return gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):

@@ -262,7 +262,7 @@ def _layer_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    return x.new_empty(x.shape), stat, stat.new_empty(stat.shape)
 
 
 @torch.library.custom_op("kernelkit::layer_norm_bwd", mutates_args=())
@@ -274,8 +274,8 @@ def _layer_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch
 @_layer_norm_bwd_op.register_fake
 def _(dy, x, weight, bias, mean, rstd):
     none = x.new_empty(0)
-    return (torch.empty_like(x), torch.empty_like(weight) if weight is not None else none,
-            torch.empty_like(bias) if bias is not None else none)
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else none,
+            bias.new_empty(bias.shape) if bias is not None else none)
 
 
 def _setup_context(ctx, inputs, output):

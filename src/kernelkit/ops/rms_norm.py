@@ -274,7 +274,7 @@ def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("kernelkit::rms_norm_bwd", mutates_args=())
@@ -285,7 +285,7 @@ def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.T
 
 @_rms_norm_bwd_op.register_fake
 def _(dy, x, weight, rstd, offset):
-    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -353,7 +353,7 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32), torch.empty_like(x)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), x.new_empty(x.shape)
 
 
 def _add_setup_context(ctx, inputs, output):
@@ -377,7 +377,7 @@ def _rms_norm_bwd_ds_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torc
 
 @_rms_norm_bwd_ds_op.register_fake
 def _(dy, x, weight, rstd, offset, dsummed):
-    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
 
 
 _add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)

@@ -326,7 +326,7 @@ def _softmax_op(x: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
 
 @_softmax_op.register_fake
 def _(x, scale, log):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("kernelkit::softmax_bwd", mutates_args=())
@@ -336,7 +336,7 @@ def _softmax_bwd_op(dy: torch.Tensor, y: torch.Tensor, scale: float, log: bool) 
 
 @_softmax_bwd_op.register_fake
 def _(dy, y, scale, log):
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)
 
 
 def _setup_context(ctx, inputs, output):
