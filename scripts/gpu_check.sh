@@ -3,7 +3,10 @@
 # kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
 # (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile,host,flce,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+# The test stage runs the whole suite on the GPU (the CPU suite's edge cases through the real compiler, plus
+# the gpu-marked tests); TEST_MARK=gpu narrows it to the gpu-marked ones. The host stage compares host time
+# per call with a baseline tree carried in .base/src (git worktree add .base <commit>), when present.
 # Optional: TEST_TUNE=first (tests run the first config each pruner keeps instead of timing all),
 # BENCH_SHAPES='[(4, 4096, 16, 128, True)]' (instead of the op's bench shapes), BENCH_FLAGS="--no-compile",
 # TEST_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT in seconds per stage (per op for the last two).
@@ -34,8 +37,10 @@ if has test; then
   if [ -n "${TESTS:-}" ]; then sel=($TESTS)
   elif [ "$OPS" != all ]; then for op in $OPS; do [ -f "tests/test_${op}.py" ] && sel+=("tests/test_${op}.py"); done
   else sel=(tests); fi
-  log "pytest -m gpu ${sel[*]}"
-  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+  mark=(); [ -n "${TEST_MARK:-}" ] && mark=(-m "$TEST_MARK")
+  log "pytest ${mark[*]} ${sel[*]}"
+  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${mark[@]}" -p no:cacheprovider --timeout=300 \
+    --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
 fi
 if has sanitize; then
   for op in $([ "$OPS" = all ] && python3 -c "from kernelkit.ops import registry; print(' '.join(sorted(registry.all_ops())))" || echo $OPS); do
@@ -51,6 +56,21 @@ if has bench; then
     timeout "${BENCH_TIMEOUT:-1800}" $KK bench "$op" --out "$RES/bench" ${BENCH_FLAGS:-} ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
       2>&1 | tee -a "$RES/bench.log"
   done
+fi
+if has host && [ -d .base/src ]; then
+  HOST_OPS=${HOST_OPS:-"rope layer_norm softmax rms_norm add_rms_norm swiglu cross_entropy"}
+  for tree in .base/src src; do
+    log "host time per call ($tree)"
+    PYTHONPATH=$PWD/$tree python3 -c "import kernelkit; print('kernelkit from', kernelkit.__file__)" | tee -a "$RES/host.log"
+    (cd scripts && PYTHONPATH=$PWD/../$tree timeout 300 python3 diag_host.py $HOST_OPS 2>&1 | grep -E "^== |Error" \
+      | tee -a "$RES/host.log")
+  done
+fi
+if has flce && [ -f benchmarks/linear_cross_entropy.py ]; then
+  log "fused linear cross-entropy"; timeout 420 python3 benchmarks/linear_cross_entropy.py --out "$RES/linear_cross_entropy.json" 2>&1 | tee "$RES/flce.log" | tail -30
+fi
+if has model; then
+  log "bench model"; timeout 590 $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40
 fi
 if has profile; then
   log "profile --example llama"; $KK profile --example llama --out "$RES/profile" 2>&1 | tee "$RES/profile.log" | tail -60

@@ -84,9 +84,39 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
                                                        "instead of the op's bench shapes"),
           latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes"),
           kernel_time: bool = typer.Option(False, help="also record each call's summed kernel time from the "
-                                                       "profiler (GPU side, host time excluded)")):
-    """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors."""
+                                                       "profiler (GPU side, host time excluded)"),
+          example: str = typer.Option("llama", help="bench model: built-in config (llama: Llama-3-8B's layer shapes)"),
+          config: Optional[Path] = typer.Option(None, help="bench model: a Hugging Face config.json instead"),
+          layers: Optional[int] = typer.Option(2, help="bench model: decoder layers (default 2; 0 keeps the config's)"),
+          batch: int = typer.Option(4, help="bench model: sequences per step"),
+          seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
+          variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
+                                       help="bench model: comma list of variants")):
+    """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors.
+
+    `kernelkit bench model` times a Hugging Face causal LM instead: one training step and one prefill per
+    variant (eager, torch.compile, Liger, kernelkit.patch, kernelkit.patch + torch.compile), each in its
+    own process, with tokens/s, peak memory and loss/gradient agreement with eager."""
     import torch
+
+    if op == "model":
+        from .testing.model_bench import VARIANTS, print_rows, run_model_bench
+
+        if not torch.cuda.is_available():
+            console.print("[red]kernelkit bench model needs a CUDA GPU[/].")
+            raise typer.Exit(2)
+        chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
+        bad = [v for v in chosen if v not in VARIANTS]
+        if bad:
+            console.print(f"[red]unknown variant(s) {bad}[/]; known: {', '.join(VARIANTS)}")
+            raise typer.Exit(2)
+        with console.status("") as status:
+            rows = run_model_bench(example, str(config) if config else None, layers or None, batch, seq,
+                                   variants=chosen, out=out,
+                                   progress=lambda v: status.update(f"[bold]bench model[/]: {v} (own process)"))
+        print_rows(rows, console)
+        console.print(f"wrote {out / 'model.json'} and {out / 'model.png'}")
+        return
 
     from .hw import measure_ceilings
     from .ops import registry

@@ -1,0 +1,251 @@
+"""`kernelkit bench model`: a Hugging Face causal LM, one training step and one prefill, per variant.
+
+Variants — eager (HF, SDPA attention), torch.compile, Liger-Kernel (when installed), kernelkit.patch, and
+kernelkit.patch + torch.compile — each run in a process of their own (a patch, a compile cache or an
+allocator state must not leak into the next row), on the same random weights and the same batch (both
+seeded). Each reports tokens/s of a training step (forward with labels, loss, backward) and of a prefill
+(forward without labels, last-token logits), peak memory, the loss, and the agreement of every
+parameter's gradient with eager's (the worst parameter is named).
+
+    python -m kernelkit.testing.model_bench --variant eager --out row.json   # one row, in this process
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile")
+
+# Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
+LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+             max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu")
+EXAMPLES = {"llama": LLAMA}
+
+
+def build_config(example: str | None, config_path: str | None, layers: int | None, seq: int):
+    from transformers import AutoConfig
+
+    if config_path:
+        doc = json.loads(Path(config_path).read_text())
+    else:
+        doc = dict(EXAMPLES[example or "llama"])
+    kind = doc.pop("model_type")
+    if layers:
+        doc["num_hidden_layers"] = layers
+    doc.setdefault("num_hidden_layers", 2)
+    doc["max_position_embeddings"] = max(doc.get("max_position_embeddings", 0), seq)
+    return AutoConfig.for_model(kind, **doc)
+
+
+def _median_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), times
+
+
+def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_path: str | None,
+                ref_grads_path: str | None) -> dict:
+    """One row, in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    row: dict = {"variant": variant}
+    torch.manual_seed(0)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.train()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+    if variant == "liger":
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError:
+            return {**row, "skipped": "Liger-Kernel is not installed"}
+        _apply_liger_kernel_to_instance(model=model)
+    if variant.startswith("kernelkit"):
+        import kernelkit
+
+        report = kernelkit.patch(model)
+    run = torch.compile(model) if variant.endswith("compile") else model
+
+    def step():
+        out = run(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss
+
+    # First step: the loss and the gradients compared with eager's (the weights never change: no optimizer).
+    loss = step()
+    row["loss"] = float(loss.detach().float())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if grads_path:
+        torch.save({n: g.cpu() for n, g in grads.items()}, grads_path)
+    if ref_grads_path and os.path.exists(ref_grads_path):
+        ref = torch.load(ref_grads_path)
+        errs = {}
+        for n, g in ref.items():
+            got = grads.get(n)
+            g = g.to("cuda").float()
+            errs[n] = float("inf") if got is None else float((got.float() - g).norm() / g.norm().clamp_min(1e-30))
+        worst = max(errs, key=errs.get)
+        row["grad_worst"] = {"param": worst, "rel_err": errs[worst]}
+        row["grad_median_rel_err"] = statistics.median(errs.values())
+    del grads
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        step()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    row["step_ms"], row["step_ms_all"] = _median_ms(train_step, warmup=2, iters=steps)
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["train_tokens_per_s"] = batch * seq / row["step_ms"] * 1e3
+    model.zero_grad(set_to_none=True)
+
+    def prefill():
+        with torch.no_grad():
+            run(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    row["prefill_ms"], _ = _median_ms(prefill, warmup=2, iters=steps)
+    row["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["prefill_tokens_per_s"] = batch * seq / row["prefill_ms"] * 1e3
+    if variant.startswith("kernelkit"):
+        row["patch"] = str(report)  # after the runs: the report counts the calls that fell back
+    return row
+
+
+def run_model_bench(example: str | None = "llama", config_path: str | None = None, layers: int | None = 2,
+                    batch: int = 4, seq: int = 2048, steps: int = 5, variants=VARIANTS, out: Path | None = None,
+                    timeout: int = 600, progress=None) -> list[dict]:
+    """Every variant in a process of its own; eager first (the gradients the others are compared with)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = os.path.join(tmp, "eager-grads.pt")
+        order = ["eager"] + [v for v in variants if v != "eager"]
+        for v in order:
+            if progress:
+                progress(v)
+            cmd = [sys.executable, "-m", "kernelkit.testing.model_bench", "--variant", v, "--batch", str(batch),
+                   "--seq", str(seq), "--steps", str(steps), "--json", os.path.join(tmp, "row.json")]
+            cmd += ["--config", config_path] if config_path else ["--example", example or "llama"]
+            cmd += ["--layers", str(layers)] if layers else []
+            cmd += ["--save-grads", ref] if v == "eager" else ["--ref-grads", ref]
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode:
+                rows.append({"variant": v, "error": (proc.stderr or proc.stdout)[-1500:]})
+            else:
+                rows.append(json.loads(Path(tmp, "row.json").read_text()))
+            rows[-1]["wall_s"] = time.time() - t0
+    eager = next((r for r in rows if r["variant"] == "eager" and "step_ms" in r), None)
+    for r in rows:
+        if eager and "step_ms" in r:
+            r["x_eager_train"] = eager["step_ms"] / r["step_ms"]
+            r["x_eager_prefill"] = eager["prefill_ms"] / r["prefill_ms"]
+            r["loss_rel_diff"] = abs(r["loss"] - eager["loss"]) / abs(eager["loss"])
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"example": example, "config": config_path, "layers": layers, "batch": batch, "seq": seq,
+                "steps": steps}
+        try:
+            import torch
+            import transformers
+
+            meta.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                        transformers=transformers.__version__)
+        except Exception:  # noqa: BLE001 - the rows stand on their own
+            pass
+        (out / "model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot_rows(rows, out / "model.png", meta)
+    return rows
+
+
+def plot_rows(rows, path: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "step_ms" in r]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for ax, key, title in ((axes[0], "train_tokens_per_s", "training step"), (axes[1], "prefill_tokens_per_s",
+                                                                                 "prefill")):
+        vals = [r[key] / 1e3 for r in ok]
+        ax.barh([r["variant"] for r in ok], vals, color=["#888" if not r["variant"].startswith("kernelkit")
+                                                          else "#2a7" for r in ok])
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.1f}k", va="center", fontsize=8)
+        ax.set_xlabel("k tokens/s")
+        ax.set_title(title)
+        ax.invert_yaxis()
+    fig.suptitle(f"{meta.get('example') or meta.get('config')}: {meta['layers']} layers, {meta['batch']}x{meta['seq']} "
+                 f"tokens, bf16, {meta.get('gpu', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_rows(rows, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="one training step and one prefill, each variant in its own process")
+    for col in ("variant", "step ms", "x eager", "train tok/s", "peak GiB", "prefill ms", "x eager", "loss",
+                "|dloss|/loss", "worst grad (rel. err)"):
+        table.add_column(col, justify="left" if col in ("variant", "worst grad (rel. err)") else "right")
+    for r in rows:
+        if "step_ms" not in r:
+            table.add_row(r["variant"], r.get("skipped") or f"[red]{(r.get('error') or '')[-200:]}[/]")
+            continue
+        worst = r.get("grad_worst")
+        table.add_row(r["variant"], f"{r['step_ms']:.1f}", f"{r.get('x_eager_train', 1):.2f}",
+                      f"{r['train_tokens_per_s']:.0f}", f"{r['peak_gib']:.1f}", f"{r['prefill_ms']:.1f}",
+                      f"{r.get('x_eager_prefill', 1):.2f}", f"{r['loss']:.5f}", f"{r.get('loss_rel_diff', 0):.1e}",
+                      f"{worst['param']} ({worst['rel_err']:.2e})" if worst else "-")
+    console.print(table)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--example", default=None)
+    p.add_argument("--config", default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", required=True)
+    p.add_argument("--save-grads", default=None)
+    p.add_argument("--ref-grads", default=None)
+    a = p.parse_args(argv)
+    config = build_config(a.example, a.config, a.layers, a.seq)
+    row = run_variant(a.variant, config, a.batch, a.seq, a.steps, a.save_grads, a.ref_grads)
+    Path(a.json).write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The model benchmark's pieces that need no GPU: configs, the table, the plot."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kernelkit.testing import model_bench as mb  # noqa: E402
+
+
+def test_build_config_from_example_and_file(tmp_path):
+    c = mb.build_config("llama", None, 3, 4096)
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size) == ("llama", 3, 4096, 128256)
+    assert c.max_position_embeddings >= 4096
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+                                "num_hidden_layers": 5}))
+    c = mb.build_config(None, str(path), None, 128)
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size) == ("qwen2", 5, 64)
+
+
+def test_table_and_plot_from_rows(tmp_path):
+    from rich.console import Console
+
+    rows = [{"variant": "eager", "step_ms": 100.0, "prefill_ms": 30.0, "peak_gib": 17.9, "loss": 12.1,
+             "train_tokens_per_s": 81920.0, "prefill_tokens_per_s": 2.7e5, "x_eager_train": 1.0},
+            {"variant": "kernelkit", "step_ms": 70.0, "prefill_ms": 25.0, "peak_gib": 6.0, "loss": 12.1001,
+             "train_tokens_per_s": 117028.0, "prefill_tokens_per_s": 3.2e5, "x_eager_train": 1.43,
+             "loss_rel_diff": 8e-6, "grad_worst": {"param": "model.norm.weight", "rel_err": 3e-3}},
+            {"variant": "liger", "skipped": "Liger-Kernel is not installed"}]
+    console = Console(record=True, width=200)
+    mb.print_rows(rows, console)
+    text = console.export_text()
+    assert "model.norm.weight" in text and "not installed" in text and "1.43" in text
+    mb.plot_rows(rows, tmp_path / "m.png", {"example": "llama", "layers": 2, "batch": 4, "seq": 2048})
+    assert (tmp_path / "m.png").stat().st_size > 1000
