@@ -2,6 +2,7 @@
 
 from .ops.cross_entropy import CrossEntropyLoss
 from .ops.layer_norm import LayerNorm
+from .ops.linear_cross_entropy import LinearCrossEntropyLoss
 from .ops.rms_norm import RMSNorm
 
-__all__ = ["CrossEntropyLoss", "LayerNorm", "RMSNorm"]
+__all__ = ["CrossEntropyLoss", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm"]

@@ -90,7 +90,7 @@ def layout_cases(spec, dtype, device, shape=None, layouts=LAYOUTS, seed: int = 0
         if not isinstance(a, torch.Tensor):
             continue
         for kind in layouts:
-            moved = relayout(a, kind)
+            moved = relayout(a, kind) if (i, kind) not in spec.layout_skip else None
             if moved is None:
                 continue
             new = list(args)

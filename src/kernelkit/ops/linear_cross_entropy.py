@@ -1,0 +1,599 @@
+"""Fused LM head + cross-entropy: the loss of ``hidden @ weight.T + bias`` without the (T, V) logits.
+
+At T = 8192 tokens and a 128256-token vocabulary the logits are 2 GiB in bf16 (4 GiB more once HF
+upcasts them to fp32), for a loss that is one number. Here the tokens run in chunks: a chunk's logits
+come from one cuBLAS GEMM, the cross-entropy kernel of ``ops/cross_entropy.py`` reads them, writes the
+chunk's per-token losses in fp32 and overwrites the logits with dlogits in place (already scaled by
+1 / the number of non-ignored tokens of the *whole* batch, counted once up front), and two more GEMMs
+turn dlogits into the chunk's rows of dhidden and its share of dweight. Every gradient exists when the
+forward returns; the backward multiplies them by grad_output, a launch that reads one scalar and
+touches nothing when grad_output is 1 (``loss.backward()``).
+
+FLOPs: 2·T·H·V for the logits, 2·T·H·V each for dhidden and dweight: compute-bound GEMMs, so the
+design goal is GEMMs as large as memory allows. The one cost that grows with the number of chunks is
+dweight: each chunk's GEMM (K = the chunk's rows) re-reads and re-writes all of dweight, V·H elements.
+So a chunk is as many rows as fit ``MAX_CHUNK_BYTES`` of logits (see `chunk_rows`), not a fixed
+fraction of T as in Liger (whose default is T·H elements of logits: 256-row chunks here, 32 chunks).
+Measured on the H100 at T = 8192, H = 4096, V = 128256 bf16, forward + backward (results/h100/
+linear_cross_entropy.json): 2048-row chunks (the 512 MiB default) 38.1 ms, 678 TFLOP/s, 1.53 GiB
+beyond the inputs (1.04 of it the gradients themselves); 1024 rows 40.9 ms / 1.29 GiB; 512 rows
+46.7 ms / 1.16 GiB; 4096 rows 39.0 ms / 2.02 GiB; the three GEMMs alone on materialized logits 37.0
+ms. Liger 64.2 ms / 1.10 GiB; eager with the fp32 upcast 51.8 ms / 11.7 GiB.
+
+dweight accumulates in its own dtype while a call runs at most ``MAX_LOWP_DWEIGHT_CHUNKS`` chunks:
+cuBLAS adds each chunk's partial product to the running sum in fp32 and rounds once per chunk, and no
+buffer beyond the gradient itself is needed. Measured against an fp32 computation at the shape above,
+bf16 dweight's relative error is 3.1e-3 with one rounding (one chunk, or an fp32 running sum) and
+3.6e-3 / 3.8e-3 / 3.9e-3 with 4 / 8 / 16 bf16 roundings (Liger's default, 32 chunks: 4.0e-3). The
+fp32 running sum costs 2 GiB (V·H·4 bytes, 1.53 -> 3.49 GiB) and 8% (41.3 ms) there, so it is used
+only past 16 chunks (T > 32768 at this V), through cuBLAS's bf16 x bf16 -> fp32 GEMM
+(``addmm(out_dtype=float32)``), and cast once at the end.
+
+reduction='none' needs the per-token grad_output before dweight sums over tokens, so there the
+forward saves only lse and the backward recomputes each chunk's logits (a fourth GEMM) and runs the
+cross-entropy backward kernel with the per-token grad_output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+
+from ..roofline.model import Cost, dtype_key
+from ..testing.poison import empty
+from ..tune import cdiv, interpreting, launch, next_pow2, num_sms
+from . import _validate
+from .cross_entropy import MAX_BLOCK_V, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
+from .registry import OpSpec, optional_import, register
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+# A chunk's logits (rows x V in the activations' dtype) stay under this budget: the smallest that ran as
+# fast as any larger one in the H100 chunk sweep (module docstring); a smaller chunk trades time for memory.
+MAX_CHUNK_BYTES = 512 << 20
+# Chunk rows are a multiple of this (when a chunk has more rows): no GEMM tile runs a ragged edge.
+ROW_ALIGN = 128
+# Up to this many chunks bf16/fp16 dweight accumulates in place (one rounding per chunk); beyond, in fp32.
+MAX_LOWP_DWEIGHT_CHUNKS = 16
+# Rows of the scratch copy on which the first launch of a cross-entropy kernel config key is autotuned:
+# autotuning re-runs a kernel on its arguments, and here the kernel overwrites its input.
+TUNE_ROWS = 1024
+# The grad_output scale: a persistent 1-D sweep, 4096 elements (16 per thread at 8 warps) a step.
+SCALE_BLOCK, SCALE_WARPS, SCALE_PROGRAMS_PER_SM = 4096, 8, 4
+
+
+@triton.jit
+def grad_scale_kernel(X, GRAD, numel, BLOCK: tl.constexpr):
+    """X *= grad_output (a scalar), in place; a grad_output of exactly 1 moves no bytes."""
+    g = tl.load(GRAD).to(tl.float32)
+    if g != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < numel
+            x = tl.load(X + offs, mask=m).to(tl.float32)
+            tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=m)
+
+
+# --- validation ---
+
+def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not (number(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not (number(z_loss) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int (rows per chunk), got {chunk_size!r}")
+    return (ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
+            reduction, chunk_size)
+
+
+def _check_tensors(hidden, weight, target, bias):
+    _validate.tensor(hidden, "hidden", min_dim=1)
+    _validate.tensor(weight, "weight")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, H) like nn.Linear's, got shape {tuple(weight.shape)}")
+    v, h = weight.shape
+    if hidden.shape[-1] != h:
+        raise ValueError(f"hidden's last dim is {hidden.shape[-1]} but weight is (V, H) = {tuple(weight.shape)}; "
+                         f"pass the LM head's weight as stored by nn.Linear (out_features, in_features)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden is {str(hidden.dtype)[6:]} but weight is {str(weight.dtype)[6:]}; cast one "
+                        f"so both share a dtype (the GEMMs run in it)")
+    _validate.same_device(weight, "weight", hidden, "hidden")
+    if bias is not None:
+        _validate.tensor(bias, "bias")
+        if tuple(bias.shape) != (v,):
+            raise ValueError(f"bias must have shape ({v},) to match weight (V, H) = {tuple(weight.shape)}, "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias is {str(bias.dtype)[6:]} but weight is {str(weight.dtype)[6:]}")
+        _validate.same_device(bias, "bias", hidden, "hidden")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target has dtype {str(target.dtype)[6:]}; supported: int64, int32 (class indices)")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
+                         f"got {tuple(target.shape)}")
+    _validate.same_device(target, "target", hidden, "hidden")
+    if v == 0 and target.numel():
+        raise ValueError("weight has V = 0 rows (classes); cross-entropy needs at least one")
+
+
+def _check_target_values(target, v, ignore_index):
+    """Class indices in [0, V) or ignore_index, checked where it is free (CPU tensors): on the GPU it
+    would cost a device sync, so there an out-of-range index gives NaN (its row's loss, and the gradients)."""
+    if target.device.type == "cpu" and target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= v))
+        if bool(bad.any()):
+            raise ValueError(f"target holds class index {int(target[bad][0])} outside [0, {v}) "
+                             f"(and not ignore_index={ignore_index})")
+
+
+# --- launchers ---
+
+def chunk_rows(t: int, v: int, esize: int, chunk_size: Optional[int] = None) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else the most rows whose logits fit ``MAX_CHUNK_BYTES``,
+    evened out over the chunks T needs (8192 rows under a 2092-row cap: 4 x 2048, not 3 x 2092 + 1916)
+    and rounded up to ``ROW_ALIGN`` where that stays within the cap."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, t))
+    cap = max(1, MAX_CHUNK_BYTES // max(1, v * esize))
+    if t <= cap:
+        return max(t, 1)
+    rows = cdiv(t, cdiv(t, cap))
+    aligned = cdiv(rows, ROW_ALIGN) * ROW_ALIGN
+    return aligned if aligned <= cap else rows
+
+
+_tuned: set = set()
+
+
+def _launch_in_place(kernel, key, logits, run):
+    """run(buf) launches `kernel` reading logits from buf and writing dlogits over them. The first launch
+    of a config key on the GPU may autotune, re-running the kernel on its arguments: that one runs on a
+    scratch copy of a few rows first, so the real chunk is overwritten exactly once."""
+    if logits.is_cuda and not interpreting() and (kernel, key) not in _tuned:
+        run(logits[:TUNE_ROWS].clone())
+        _tuned.add((kernel, key))
+    run(logits)
+
+
+def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index, label_smoothing, z_loss, softcap,
+                mean, compute_grad):
+    """The cross-entropy forward kernel on one chunk of logits (rows, V): per-token fp32 loss and lse, and
+    with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean'."""
+    v = logits.shape[1]
+    block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
+    flags = dict(MEAN=mean, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
+                 HAS_Z=bool(z_loss), COMPUTE_GRAD=compute_grad, BLOCK_V=block)
+    key = (v, logits.dtype, *flags.values())  # the key cross_entropy.py launches this kernel under
+
+    def run(x):
+        n = x.shape[0]
+        grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
+        launch(cross_entropy_fwd_kernel, grid, key, x, target, count, loss_rows, z_rows, lse_rows, x,
+               x.stride(0), x.stride(0), n, v, ignore_index, label_smoothing, z_loss, softcap or 1.0,
+               1.0 / (softcap or 1.0), **flags)
+
+    if compute_grad:
+        _launch_in_place(cross_entropy_fwd_kernel, key, logits, run)
+    else:
+        run(logits)
+
+
+def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smoothing, z_loss, softcap):
+    """The cross-entropy backward kernel on one chunk: dlogits = per-token grad_output x dloss/dlogits,
+    written over the (recomputed) logits."""
+    v = logits.shape[1]
+    block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
+    flags = dict(MEAN=False, HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
+    key = (v, logits.dtype, grad_rows.dtype, *flags.values())
+    stride_g = grad_rows.stride(0) if grad_rows.dim() else 0
+
+    def run(x):
+        n = x.shape[0]
+        grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
+        launch(cross_entropy_bwd_kernel, grid, key, x, target, lse_rows, grad_rows, target, x, x.stride(0),
+               x.stride(0), stride_g, n, v, ignore_index, label_smoothing, 2.0 * z_loss, softcap or 1.0,
+               1.0 / (softcap or 1.0), **flags)
+
+    _launch_in_place(cross_entropy_bwd_kernel, key, logits, run)
+
+
+class _Grads:
+    """Gradient buffers filled chunk by chunk: dhidden rows, dweight (in its dtype or an fp32 running
+    sum, see the module docstring) and an fp32 dbias."""
+
+    def __init__(self, hidden, weight, bias, n_chunks, need_dh, need_dw, need_db):
+        t, h = hidden.shape
+        dev = hidden.device
+        self.dh = empty((t, h), dtype=hidden.dtype, device=dev) if need_dh else None
+        self.dw = empty(tuple(weight.shape), dtype=weight.dtype, device=dev) if need_dw else None
+        self.dw32 = None
+        if need_dw and weight.dtype != torch.float32 and n_chunks > MAX_LOWP_DWEIGHT_CHUNKS:
+            self.dw32 = empty(tuple(weight.shape), dtype=torch.float32, device=dev)
+        self.db32 = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_db else None
+        self.weight, self.first = weight, True
+
+    def add_chunk(self, dlogits, h_chunk, start):
+        if self.dh is not None:
+            torch.mm(dlogits, self.weight, out=self.dh[start:start + dlogits.shape[0]])
+        beta = 0.0 if self.first else 1.0  # beta = 0: the buffer's prior (uninitialized) contents are ignored
+        if self.dw32 is not None:
+            if self.dw32.is_cuda:  # cuBLAS bf16 x bf16 accumulated into an fp32 C
+                torch.addmm(self.dw32, dlogits.t(), h_chunk, beta=beta, out_dtype=torch.float32, out=self.dw32)
+            else:
+                self.dw32.addmm_(dlogits.t().float(), h_chunk.float(), beta=beta)
+        elif self.dw is not None:
+            self.dw.addmm_(dlogits.t(), h_chunk, beta=beta)
+        if self.db32 is not None:
+            self.db32 += dlogits.sum(0, dtype=torch.float32)
+        self.first = False
+
+    def result(self, hidden, weight, bias):
+        dh, dw = self.dh, self.dw
+        if dw is not None:
+            if self.dw32 is not None:
+                dw.copy_(self.dw32)
+                self.dw32 = None
+            elif self.first:  # no chunk ran (T = 0)
+                dw.zero_()
+        db = self.db32.to(bias.dtype) if self.db32 is not None else None
+        none = hidden.new_empty(0)
+        return (dh if dh is not None else none, dw if dw is not None else none.clone(),
+                db if db is not None else none.clone())
+
+
+def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                             z_loss=0.0, softcap=None, reduction="mean", chunk_size=None, need_dhidden=False,
+                             need_dweight=False, need_dbias=False):
+    """The chunked forward on hidden (T, H), weight (V, H), target (T,). Returns (loss, lse, dhidden,
+    dweight, dbias): loss fp32 (0-dim, or (T,) for 'none'), lse (T,) fp32, and the gradients asked for
+    (scaled for the reduction, for grad_output = 1; (0,) placeholders otherwise). 'none' computes none."""
+    ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size = _check_scalars(
+        ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    _check_tensors(hidden, weight, target, bias)
+    if hidden.dim() != 2:
+        raise ValueError(f"linear_cross_entropy_fwd takes 2-D hidden (T, H), got {tuple(hidden.shape)}")
+    (t, _), v = hidden.shape, weight.shape[0]
+    _check_target_values(target, v, ignore_index)
+    need = (need_dhidden, need_dweight, need_dbias and bias is not None)
+    grad = reduction != "none" and any(need)
+    rows = chunk_rows(t, v, hidden.element_size(), chunk_size)
+    dev = hidden.device
+    target = target.contiguous()
+    loss_rows = empty((t,), dtype=torch.float32, device=dev)
+    lse = empty((t,), dtype=torch.float32, device=dev)
+    z_rows = empty((t,), dtype=torch.float32, device=dev) if z_loss else loss_rows
+    count = (target != ignore_index).sum()
+    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need) if grad else None
+    buf = empty((min(rows, t), v), dtype=hidden.dtype, device=dev)
+    wt = weight.t()
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        h_c, logits = hidden[s:e], buf[:e - s]
+        if bias is not None:
+            torch.addmm(bias, h_c, wt, out=logits)
+        else:
+            torch.mm(h_c, wt, out=logits)
+        _ce_forward(logits, target[s:e], count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
+                    label_smoothing, z_loss, softcap, reduction == "mean", grad)
+        if grad:
+            grads.add_chunk(logits, h_c, s)
+    del buf
+    if reduction == "none":
+        loss = loss_rows
+    else:
+        loss = loss_rows.sum()
+        if reduction == "mean":
+            loss = loss / count
+    none = hidden.new_empty(0)
+    dh, dw, db = grads.result(hidden, weight, bias) if grad else (none, none.clone(), none.clone())
+    return loss, lse, dh, dw, db
+
+
+def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_index=-100, label_smoothing=0.0,
+                             z_loss=0.0, softcap=None, chunk_size=None, need_dhidden=True, need_dweight=True,
+                             need_dbias=True):
+    """The recompute backward of reduction='none': grad (T,) per token; each chunk's logits are recomputed,
+    the cross-entropy backward kernel writes grad x dloss/dlogits over them, and the same GEMMs as the
+    fused forward follow. Returns (dhidden, dweight, dbias) with (0,) placeholders for those not asked for."""
+    (t, _), v = hidden.shape, weight.shape[0]
+    need = (need_dhidden, need_dweight, need_dbias and bias is not None)
+    rows = chunk_rows(t, v, hidden.element_size(), chunk_size)
+    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need)
+    target = target.contiguous()
+    buf = empty((min(rows, t), v), dtype=hidden.dtype, device=hidden.device)
+    wt = weight.t()
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        h_c, logits = hidden[s:e], buf[:e - s]
+        if bias is not None:
+            torch.addmm(bias, h_c, wt, out=logits)
+        else:
+            torch.mm(h_c, wt, out=logits)
+        _ce_backward(logits, target[s:e], lse[s:e], grad[s:e], ignore_index, label_smoothing, z_loss, softcap)
+        grads.add_chunk(logits, h_c, s)
+    del buf
+    return grads.result(hidden, weight, bias)
+
+
+def scale_(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """x *= grad (0-dim) in place on the device, without reading grad on the host; no traffic when it is 1."""
+    n = x.numel()
+    if n:
+        grid = (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * num_sms(x.device)),)
+        launch(grad_scale_kernel, grid, None, x, grad, n, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
+    return x
+
+
+# --- torch.library custom ops: one graph node each under torch.compile ---
+
+@torch.library.custom_op("kernelkit::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+                             z_loss: float, softcap: Optional[float], reduction: str, chunk_size: Optional[int],
+                             need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                                    reduction, chunk_size, need_dhidden, need_dweight, need_dbias)
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
+      need_dhidden, need_dweight, need_dbias):
+    _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    _check_tensors(hidden, weight, target, bias)
+    t = hidden.shape[0]
+    grad = reduction != "none"
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((t,) if reduction == "none" else (), **f32), hidden.new_empty((t,), **f32),
+            hidden.new_empty(hidden.shape if grad and need_dhidden else (0,)),
+            hidden.new_empty(weight.shape if grad and need_dweight else (0,)),
+            hidden.new_empty(bias.shape if grad and need_dbias and bias is not None else (0,)))
+
+
+@torch.library.custom_op("kernelkit::linear_cross_entropy_bwd", mutates_args=())
+def _linear_cross_entropy_bwd_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                 target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
+                                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                                 chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss,
+                                    softcap, chunk_size, need_dhidden, need_dweight, need_dbias)
+
+
+@_linear_cross_entropy_bwd_op.register_fake
+def _(grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+      need_dhidden, need_dweight, need_dbias):
+    return (hidden.new_empty(hidden.shape if need_dhidden else (0,)),
+            hidden.new_empty(weight.shape if need_dweight else (0,)),
+            hidden.new_empty(bias.shape if need_dbias and bias is not None else (0,)))
+
+
+def _no_double_backward():
+    # create_graph=True runs the backward in grad mode; gradients from GEMMs on saved buffers carry no graph.
+    if torch.is_grad_enabled():
+        raise RuntimeError("kernelkit.linear_cross_entropy has no double backward: its gradients are computed "
+                           "during the forward (and by a Triton kernel) and cannot carry a graph for "
+                           "create_graph=True. Use the PyTorch reference (F.linear + F.cross_entropy) for "
+                           "higher-order gradients.")
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, *scalars = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.reduction = scalars[4]
+    ctx.args = tuple(scalars[:4]) + (scalars[5],)  # ignore_index, label_smoothing, z_loss, softcap, chunk_size
+    ctx.need = tuple(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if ctx.reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias, output[1])
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _backward(ctx, dloss, *_):
+    _no_double_backward()
+    if ctx.reduction == "none":
+        hidden, weight, target, bias, lse = ctx.saved_tensors
+        grads = _linear_cross_entropy_bwd_op(dloss, hidden, weight, target, bias, lse, *ctx.args, *ctx.need)
+    else:  # a functional graph cannot scale the saved gradients in place: one multiply each
+        grads = tuple(g * dloss for g in ctx.saved_tensors)
+    dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
+    return (dh, dw, None, db) + (None,) * 9
+
+
+_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """The eager path: the backward scales the gradients the forward saved, in place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                chunk_size):
+        need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        scalars = (ignore_index, label_smoothing, z_loss, softcap)
+        loss, lse, *grads = linear_cross_entropy_fwd(hidden, weight, target, bias, *scalars, reduction, chunk_size,
+                                                     *need)
+        ctx.need, ctx.reduction, ctx.args, ctx.applied = need, reduction, scalars + (chunk_size,), None
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target, bias, lse)
+        else:
+            ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        _no_double_backward()
+        if ctx.reduction == "none":
+            hidden, weight, target, bias, lse = ctx.saved_tensors
+            grads = linear_cross_entropy_bwd(dloss, hidden, weight, target, bias, lse, *ctx.args, *ctx.need)
+        elif ctx.applied is None:
+            # First backward: scale the saved gradients in place and hand the buffers over.
+            ctx.applied = dloss.detach().to(torch.float32, copy=True)
+            grads = tuple(scale_(g, ctx.applied) for g in ctx.grads)
+        else:
+            # Again through a retained graph: the buffers (handed out before) hold grad x the first
+            # grad_output; divide it out into fresh tensors (NaN if the first grad_output was 0).
+            f = dloss.detach().float() / ctx.applied
+            grads = tuple((g.float() * f).to(g.dtype) for g in ctx.grads)
+        dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
+        return (dh, dw, None, db) + (None,) * 6
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                         reduction: str = "mean", chunk_size: Optional[int] = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` without materializing the logits.
+
+    hidden: (..., H) in float32, bfloat16 or float16, any strides; weight: (V, H) (nn.Linear's layout) and
+    bias (V,) of hidden's dtype; target (...) int64 or int32 class indices, ``ignore_index`` marking tokens
+    with no loss. Fused per chunk of tokens: the logits GEMM, ``softcap`` (``c * tanh(x / c)``),
+    ``label_smoothing``, ``z_loss`` (``z * lse²`` per token), and, when an input requires grad, dlogits and
+    the dhidden / dweight / dbias GEMMs, all during the forward (see the module docstring). The loss is
+    fp32 (a per-token (...) tensor for reduction='none'), accumulated in fp32 whatever the input dtype;
+    'mean' over non-ignored tokens is NaN when there are none, like torch. ``chunk_size`` overrides the
+    rows per chunk (default: `chunk_rows`, from ``MAX_CHUNK_BYTES``). Under torch.autocast the inputs are
+    cast to the autocast dtype first, as for F.linear. A class index outside [0, V) raises on CPU tensors
+    and gives NaN on the GPU. No double backward (create_graph=True raises).
+    """
+    scalars = _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    if isinstance(hidden, torch.Tensor) and not hidden.is_meta and torch.is_autocast_enabled(hidden.device.type):
+        # The GEMMs run in the autocast dtype, as F.linear's would (fp32 master weights under bf16 autocast).
+        dt = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight, bias = (x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                                for x in (hidden, weight, bias))
+    _check_tensors(hidden, weight, target, bias)
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    need = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in (hidden, weight, bias))
+    if torch.compiler.is_compiling() or is_fake(hidden) or hidden.is_meta:
+        grad_now = torch.is_grad_enabled() and scalars[4] != "none"
+        loss = _linear_cross_entropy_op(h2, weight, t1, bias, *scalars, *(n and grad_now for n in need))[0]
+    elif not (torch.is_grad_enabled() and any(need)):
+        loss = linear_cross_entropy_fwd(h2, weight, t1, bias, *scalars)[0]
+    else:
+        loss = _LinearCrossEntropyFunction.apply(h2, weight, t1, bias, *scalars)
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The LM-head loss as a module: ``forward(hidden, weight, target, bias=None)`` is
+    `linear_cross_entropy` with the options given here (pass ``lm_head.weight`` as weight).
+
+    Documented fallback: CPU tensors outside the Triton interpreter run the PyTorch reference.
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: Optional[float] = None, chunk_size: Optional[int] = None):
+        super().__init__()
+        _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                  softcap=self.softcap, reduction=self.reduction)
+        if hidden.device.type != "cuda" and not interpreting():
+            return reference(hidden, weight, target, bias, **kw)
+        return linear_cross_entropy(hidden, weight, target, bias, chunk_size=self.chunk_size, **kw)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing="
+                f"{self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+              softcap: Optional[float] = None, reduction: str = "mean", **_) -> torch.Tensor:
+    """Plain PyTorch, the way HF computes the LM loss: ``F.cross_entropy(F.linear(h, w, b).float(), t)``
+    (float64 inputs stay float64), with softcap and z-loss as in kernelkit.cross_entropy."""
+    logits = F.linear(hidden, weight, bias)
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    x, t = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
+    if not z_loss:
+        loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+        return loss.view(target.shape) if reduction == "none" else loss
+    loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    valid = t != ignore_index
+    loss = loss + torch.where(valid, z_loss * torch.logsumexp(x, dim=-1).square(), 0.0)
+    if reduction == "none":
+        return loss.view(target.shape)
+    return loss.sum() / valid.sum() if reduction == "mean" else loss.sum()
+
+
+def cost(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         *_, backward: bool = False, **__) -> Cost:
+    """The three GEMMs: 2·T·H·V FLOPs forward (the logits), 4·T·H·V for the backward's share (dhidden and
+    dweight; forward + backward = 6·T·H·V, however the fused op splits them between its passes). Ideal
+    bytes: the forward reads hidden, weight (bias) and target once; the backward reads hidden and weight
+    and writes dhidden and dweight (dbias) once. The logits never reach memory in the ideal."""
+    h, v = hidden.shape[-1], weight.shape[0]
+    t = hidden.numel() // max(h, 1)
+    esize = hidden.element_size()
+    b_bytes = bias.numel() * bias.element_size() if bias is not None else 0
+    inputs = (t * h + v * h) * esize + b_bytes
+    if backward:
+        return Cost(flops=4.0 * t * h * v, bytes=2.0 * inputs, dtype=dtype_key(hidden.dtype))
+    return Cost(flops=2.0 * t * h * v, bytes=inputs + target.numel() * target.element_size(),
+                dtype=dtype_key(hidden.dtype))
+
+
+def make_inputs(shape, dtype, device, generator=None):
+    t, h, v = shape
+    hidden = torch.randn((t, h), device=device, generator=generator).to(dtype)
+    # std 2 / sqrt(H): logits of std ~2, about the spread of real LM logits.
+    weight = (torch.randn((v, h), device=device, generator=generator) * (2.0 / math.sqrt(h))).to(dtype)
+    target = torch.randint(0, v, (t,), device=device, generator=generator)
+    target[torch.rand(t, device=device, generator=generator) < 0.1] = -100  # ~10% padding / prompt tokens
+    return (hidden, weight, target), {}
+
+
+def _liger_loader():
+    fn = optional_import("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")()
+    if fn is None:
+        return None
+
+    def liger(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+              reduction="mean", **_):
+        return fn(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, None, ignore_index, z_loss,
+                  label_smoothing, reduction, softcap)
+
+    return liger
+
+
+register(OpSpec(
+    name="linear_cross_entropy", fn=linear_cross_entropy, reference=reference, cost=cost, make_inputs=make_inputs,
+    grad_args=(0, 1),
+    test_shapes=[(3, 16, 100), (37, 24, 257), (45, 33, 1000)],
+    bench_shapes=[(8192, 4096, 128256)],
+    competitors={"liger": _liger_loader},
+    replaces=("aten::linear+aten::cross_entropy_loss",),
+    # A broadcast weight makes every class's logit equal: dhidden is exactly zero in the reference, and a
+    # relative error against zero measures nothing (the hidden states' layouts are all fuzzed).
+    layout_skip=((1, "expanded"),),
+    doc="LM head + cross-entropy fused per chunk of tokens: cuBLAS GEMMs around the cross-entropy kernel, "
+        "gradients in the forward, no (T, V) logits; ignore_index, label smoothing, z-loss, softcap, bias.",
+))
