@@ -59,11 +59,11 @@ if has bench; then
 fi
 if has host && [ -d .base/src ]; then
   HOST_OPS=${HOST_OPS:-"rope layer_norm softmax rms_norm add_rms_norm swiglu cross_entropy"}
-  for tree in .base/src src; do
-    log "host time per call ($tree)"
-    PYTHONPATH=$PWD/$tree python3 -c "import kernelkit; print('kernelkit from', kernelkit.__file__)" | tee -a "$RES/host.log"
-    (cd scripts && PYTHONPATH=$PWD/../$tree timeout 300 python3 diag_host.py $HOST_OPS 2>&1 | grep -E "^== |Error" \
-      | tee -a "$RES/host.log")
+  for round in 1 2; do  # interleaved, twice: drift of the host's speed shows up as disagreement between rounds
+    for tree in .base/src src; do
+      log "host time per call ($tree, round $round)"
+      PYTHONPATH=$PWD/$tree timeout 150 python3 scripts/host_time.py $HOST_OPS 2>&1 | tee -a "$RES/host.log"
+    done
   done
 fi
 if has flce && [ -f benchmarks/linear_cross_entropy.py ]; then
