@@ -102,7 +102,8 @@ def test_cost_of_an_expanded_input():
 
 
 def _fixture_report(**th):
-    return analyze(Trace.load(FIXTURE), H100, Thresholds(**th) if th else None)
+    # tables=None: no benchmark tables, so projections take the roofline assumption (90% of the fused floor)
+    return analyze(Trace.load(FIXTURE), H100, Thresholds(**th) if th else None, tables=None)
 
 
 def test_analysis_on_a_saved_trace():

@@ -114,3 +114,98 @@ def _ceilings():
     from kernelkit.hw.ceilings import ceilings_for
 
     return ceilings_for(None)[0]
+
+
+# --- the loop closed: kernelkit's own kernels attributed, projections timed, --patch measured ---
+
+def _patched_hf_llama():
+    pytest.importorskip("transformers")
+    from kernelkit.profile.projection import patch_module
+
+    model, inputs = build_example("hf-llama", "cuda")
+    kpatch = patch_module()
+    return model, inputs, kpatch
+
+
+def test_kernelkit_kernels_are_attributed_in_a_patched_model():
+    model, inputs, kpatch = _patched_hf_llama()
+    kpatch.patch(model)
+    try:
+        rep = profile(model, inputs, steps=2, time_kernels=False)
+    finally:
+        kpatch.unpatch(model)
+    kk = [r for r in rep.rows if r.op.startswith("kernelkit::")]
+    ops = {r.op for r in kk}
+    assert {"kernelkit::rms_norm", "kernelkit::swiglu", "kernelkit::rope", "kernelkit::attention"} <= ops, ops
+    assert {r.phase for r in kk} == {"fwd", "bwd"}
+    for r in kk:
+        assert r.module and r.pct_roof is not None and r.pct_roof > 1 and r.verdict, r
+    assert all(r.module.endswith(":LlamaRMSNorm") for r in kk if r.op == "kernelkit::rms_norm")
+    def lce(u):  # the fused linear cross-entropy: its own dispatch, see the xfail test below
+        return "linearcrossentropy" in u["what"].replace("_", "").lower() or "lce" in u["what"].lower()
+
+    triton = [u for u in rep.unattributed if "_kernel" in u["what"] and not lce(u)]
+    assert not triton, triton
+    lce_pct = sum(u["share_pct"] for u in rep.unattributed if lce(u))
+    assert rep.attributed_pct + lce_pct >= 95, (rep.attributed_pct, rep.unattributed[:5])
+
+
+@pytest.mark.xfail(reason="ops/linear_cross_entropy.py has its own dispatch: it must call _dispatch.profiled_call "
+                          "while a profiler records", strict=False)
+def test_linear_cross_entropy_kernels_are_attributed():
+    model, inputs, kpatch = _patched_hf_llama()
+    kpatch.patch(model)
+    try:
+        rep = profile(model, inputs, steps=2, time_kernels=False)
+    finally:
+        kpatch.unpatch(model)
+    assert any(r.op == "kernelkit::linear_cross_entropy" for r in rep.rows), rep.unattributed[:5]
+
+
+def test_projections_are_timed_on_the_gpu_and_a_slower_kernel_is_dropped():
+    pytest.importorskip("transformers")
+    model, inputs = build_example("hf-llama", "cuda")
+    rep = profile(model, inputs, steps=2)
+    times = rep.trace.kernel_times
+    assert any(k.startswith("rms_norm:") for k in times) and any(k.startswith("attention:") for k in times), times
+    assert not [v for v in times.values() if "error" in v], times
+    for k in rep.kernels:
+        if k["projection"] == "timed":
+            assert k["recommended"] == (k["today_ms"] > k["kernelkit_ms"]), k
+    norm = next(k for k in rep.kernels if k["kernel"] == "rms_norm")
+    assert norm["projection"] == "timed" and norm["recommended"], norm
+    assert any("kernelkit.patch(model" in f for f in rep.findings)
+
+
+def test_cli_patch_sets_projections_against_measured_savings(tmp_path):
+    pytest.importorskip("transformers")
+    from kernelkit.cli import app
+
+    res = CliRunner().invoke(app, ["profile", "--example", "llama", "--patch", "--steps", "2", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "projected against measured" in res.output
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    rows = {r["switch"]: r for r in doc["patch"]["rows"]}
+    assert {"rms_norm", "mlp", "attention", "cross_entropy"} <= set(rows), rows
+    assert rows["rms_norm"]["measured_ms"] > 0 and rows["rms_norm"]["projected_ms"] > 0
+    total = doc["patch"]["total"]
+    assert total["step_before_ms"] > 0 and total["step_after_ms"] > 0
+    patched = json.loads((tmp_path / "patched" / "profile.json").read_text())
+    assert any(r["op"] == "kernelkit::rms_norm" and r["pct_roof"] for r in patched["rows"])
+
+
+def test_gemm_and_loss_rows_stay_near_the_roof():
+    """The matrix ceiling is the best of several shapes (an LM head among them) and nll_loss / embedding
+    count the bytes they touch: no row of the example reads far above 100% of its roof."""
+    from kernelkit.hw.ceilings import measure_ceilings
+
+    c = measure_ceilings()
+    by_shape = c.details.get("matmul_tflops_by_shape", {}).get("bf16", {})
+    assert len(by_shape) >= 4 and c.tflops["bf16"] == max(by_shape.values()), c.details
+    model, inputs = build_example("llama", "cuda")
+    rep = profile(model, inputs, steps=2, time_kernels=False)
+    above = [(r.op, r.module, r.phase, round(r.pct_roof)) for r in rep.rows if r.pct_roof and r.pct_roof > 115]
+    assert not above, above
+    for op in ("aten::nll_loss_forward", "aten::nll_loss_backward", "aten::embedding"):
+        row = next(r for r in rep.rows if r.op == op)
+        assert row.pct_roof < 115, (op, row.pct_roof)

@@ -107,7 +107,7 @@ def _kernelkit_version() -> str:
 def _cache_path(fp: dict) -> Path:
     # kernelkit's own version is in the key: a release that measures differently (another copy size,
     # another matmul) must not read figures the previous one wrote.
-    keyed = {**fp, "kernelkit": _kernelkit_version()}
+    keyed = {**fp, "kernelkit": _kernelkit_version(), "matmul_shapes": [list(s) for s in MATMUL_SHAPES]}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "ceilings" / f"{key}.json"
 
@@ -194,41 +194,57 @@ def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def measure_matmul_tflops(dtype_key: str, sizes=(4096, 8192)) -> float | None:
-    """Best of a few square products through the vendor library (cuBLAS via torch)."""
+# The matrix peak is the best of these (m, n, k) products. Square ones alone understate it: cuBLAS runs
+# long-k and LM-head shapes faster (H100 bf16: ~730 TF/s at 8192^3 against ~800 on an 8192 x 32000 x 2048
+# LM head), and a profiled GEMM must not read far above 100% of a roof measured at an easier shape.
+MATMUL_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 32768), (8192, 2048, 32768),
+                 (8192, 32000, 2048), (8192, 128256, 4096))
+matmul_by_shape: dict[str, dict[str, float]] = {}  # dtype key -> {"MxNxK": TFLOP/s}, of the last measurement
+
+
+def measure_matmul_tflops(dtype_key: str, shapes=MATMUL_SHAPES) -> float | None:
+    """Best of a few products through the vendor library (cuBLAS via torch): squares, long k, an LM head.
+    Each shape's figure is kept in `matmul_by_shape[dtype_key]` (the ceilings' details)."""
     import torch
 
     cap = torch.cuda.get_device_capability()
-    best = 0.0
-    for n in sizes:
-        if dtype_key == "fp8":
-            if cap < (8, 9) or not hasattr(torch, "float8_e4m3fn"):
-                return None
-            a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-            b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major B
-            one = torch.ones((), device="cuda")
-
-            def fn():
-                return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        else:
-            dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
-                  "fp32": torch.float32}[dtype_key]
-            if dtype_key == "fp32":
-                n = min(n, 4096)  # plain fp32 is slow; 4096 already fills the chip
-            a = torch.randn(n, n, device="cuda", dtype=dt)
-            b = torch.randn(n, n, device="cuda", dtype=dt)
-
-            def fn():
-                return a @ b
-
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+    if dtype_key == "fp8" and (cap < (8, 9) or not hasattr(torch, "float8_e4m3fn")):
+        return None
+    if dtype_key == "fp32":
+        shapes = shapes[:1]  # plain fp32 is slow; 4096 already fills the chip
+    per_shape = matmul_by_shape.setdefault(dtype_key, {})
+    per_shape.clear()
+    for m, n, k in shapes:
         try:
-            ms = _median_ms(fn, rep_ms=300)
+            if dtype_key == "fp8":
+                a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+                b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()  # column-major B
+                one = torch.ones((), device="cuda")
+
+                def fn():
+                    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            else:
+                dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
+                      "fp32": torch.float32}[dtype_key]
+                a = torch.randn(m, k, device="cuda", dtype=dt)
+                b = torch.randn(k, n, device="cuda", dtype=dt)
+
+                def fn():
+                    return a @ b
+
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = dtype_key == "tf32"
+            try:
+                ms = _median_ms(fn, rep_ms=300)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = prev
+        except torch.cuda.OutOfMemoryError:  # a smaller GPU: the shapes that fit decide
+            continue
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-        best = max(best, 2 * n**3 / (ms * 1e-3) / 1e12)
-    return best
+            a = b = None
+            torch.cuda.empty_cache()
+        per_shape[f"{m}x{n}x{k}"] = 2 * m * n * k / (ms * 1e-3) / 1e12
+    return max(per_shape.values(), default=None)
 
 
 def measure_launch_us() -> float:
@@ -277,8 +293,10 @@ def _measure(fp: dict, progress: Progress | None = None) -> Ceilings:
     step("launch floor")
     launch = measure_launch_us()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    details = {"matmul_tflops_by_shape": {k: dict(v) for k, v in matmul_by_shape.items() if k in tflops and v}}
     return Ceilings(gpu=props.name, fingerprint=fp, copy_gbps=copy, tflops=tflops, launch_us=launch,
-                    l2_bytes=int(getattr(props, "L2_cache_size", 0)), sms=props.multi_processor_count)
+                    l2_bytes=int(getattr(props, "L2_cache_size", 0)), sms=props.multi_processor_count,
+                    details=details)
 
 
 def ceilings_for(gpu: str | None = None) -> tuple[Ceilings, bool]:

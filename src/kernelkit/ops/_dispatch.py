@@ -18,9 +18,12 @@ so second derivatives are right (and as slow as PyTorch); ops that have no such 
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd import profiler as _autograd_profiler
 from torch._subclasses.fake_tensor import FakeTensor
 
 _Tensor = torch.Tensor
@@ -53,10 +56,104 @@ def dispatch(custom_op: Callable, launcher: Callable, function: type, n_grad: in
     if torch.compiler.is_compiling() or (isinstance(first, _Tensor) and (first.is_meta or isinstance(first, FakeTensor))):
         out = custom_op(*args)
     elif torch.is_grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in args[:n_grad]):
+        if _autograd_profiler._is_profiler_enabled:  # a profiler records: name the call (see profiled_call)
+            return profiled_call(custom_op, function.apply, args, backward=True)
         return function.apply(*args)
+    elif _autograd_profiler._is_profiler_enabled:
+        out = profiled_call(custom_op, launcher, args)
     else:
         out = launcher(*args)
     return pick(out) if pick is not None else out
+
+
+# --- profiler ranges: kernelkit's kernels under the public op's name, while a profiler records ---
+
+_OP_PARAMS: dict = {}  # code object of a registered public op function -> (registry name, [(param, default)])
+
+
+def _is_default(v, default) -> bool:
+    if v is default:
+        return True
+    try:
+        return type(v) is type(default) and not isinstance(v, _Tensor) and bool(v == default)
+    except Exception:  # a value that does not compare to a bool
+        return False
+
+
+def _public_call(frame) -> tuple[str, list[str]] | None:
+    """The registered public op whose frame is `frame` or up to three frames above it (`dispatch`, a private
+    helper between the public function and `dispatch`), and its arguments that differ from the defaults as
+    `name=value` fields (the values the function holds when it dispatches: normalized, as passed on)."""
+    from . import registry
+
+    specs = registry._REGISTRY
+    if len(_OP_PARAMS) != len(specs):  # ops register at import: rebuild when one was added
+        _OP_PARAMS.clear()
+        for name, spec in specs.items():
+            fn = inspect.unwrap(spec.fn)
+            code = getattr(fn, "__code__", None)
+            if code is not None and code not in _OP_PARAMS:
+                _OP_PARAMS[code] = (name, [(p.name, p.default) for p in inspect.signature(fn).parameters.values()])
+    for _ in range(4):
+        if frame is None:
+            return None
+        hit = _OP_PARAMS.get(frame.f_code)
+        if hit is not None:
+            name, params = hit
+            local = frame.f_locals
+            return name, [f"{p}={range_value(local[p])}" for p, d in params
+                          if p in local and not _is_default(local[p], d)]
+        frame = frame.f_back
+    return None
+
+
+def range_value(v) -> str:
+    """One argument in a profiler range name: a tensor as its shape and dtype ("8192x4096:bfloat16", "0d:float32"
+    for a 0-dim one), numbers, strings, None, dtypes and tuples of them as repr, anything else as <TypeName>."""
+    if isinstance(v, _Tensor):
+        return f"{'x'.join(map(str, v.shape)) or '0d'}:{str(v.dtype).replace('torch.', '')}"
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, torch.dtype):
+        return repr(str(v))
+    if isinstance(v, (tuple, list)) and all(x is None or isinstance(x, (bool, int, float, str)) for x in v):
+        return repr(tuple(v))
+    return f"<{type(v).__name__}>"
+
+
+def profiled_call(custom_op: Callable, run: Callable, args: tuple, backward: bool = False):
+    """`run(*args)` inside a profiler range named for the public call, which a profiler that is recording
+    sees around kernelkit's Triton kernels (launched outside the dispatcher, they belong to no aten op):
+    ``kernelkit::rms_norm(x=8192x4096:bfloat16, weight=4096:bfloat16, eps=1e-05)``, the op's registry name
+    and the arguments that differ from the defaults (shapes, not values), so a trace reader can price the
+    call with the registry's cost model. With `backward`, the autograd node of the result runs its backward
+    in a range ``kernelkit::rms_norm.backward(...)``. Only called while a profiler records: the name costs a
+    few microseconds to build, the ranges themselves are what `torch.profiler.record_function` costs.
+    An op with its own dispatch code (not `dispatch`) calls this the same way while a profiler records:
+    ``if _autograd_profiler._is_profiler_enabled: return profiled_call(op, Function.apply, args, backward=True)``."""
+    found = _public_call(sys._getframe(1))  # dispatch (or an op's own dispatch code), called by the public function
+    if found is not None:
+        op, fields = found
+    else:  # not called from a registered op: the custom op's name and the arguments as dispatched
+        op = getattr(custom_op, "_name", None) or getattr(custom_op, "__name__", "op").strip("_")
+        fields = [range_value(a) for a in args]
+    name = f"kernelkit::{op}({', '.join(fields)})"
+    with torch.profiler.record_function(name):
+        out = run(*args)
+    node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
+                 if isinstance(t, _Tensor) and t.grad_fn is not None), None) if backward else None
+    if node is not None:
+        rf = torch.profiler.record_function(f"kernelkit::{op}.backward({', '.join(fields)})")
+
+        def enter(grad_outputs):
+            rf.__enter__()
+
+        def leave(grad_inputs, grad_outputs):
+            rf.__exit__(None, None, None)
+
+        node.register_prehook(enter)
+        node.register_hook(leave)
+    return out
 
 
 def differentiable_backward(torch_backward: Callable | None, op: str):

@@ -7,9 +7,15 @@ the roofline floor; (b) hot, at least `hot_pct` % of the step's GPU time; (c) st
 `max_shapes` distinct shapes of the op at that module across the profiled steps.
 
 Projections, stated so they can be argued with:
-- a registry kernel is assumed to reach KERNEL_EFFICIENCY (90%) of the roof: saving = time - floor / 0.9,
-  where the floor is that of the fused op (the true inputs and outputs of the calls it replaces);
+- a registry kernel's time in place of the calls it replaces comes from kernelkit timed on this GPU at
+  their shape, else from the committed benchmark tables' % of roof at the nearest shape, else from the
+  assumption that it reaches KERNEL_EFFICIENCY (90%) of the fused floor (the true inputs and outputs of
+  the calls it replaces); each projection names its source (projection.py). A kernel that would not save
+  time is not recommended;
 - inside a CUDA graph a kernel still costs GRAPH_GAP_US (1 us) of gap: graphs recover idle - kernels x 1 us.
+
+kernelkit's own calls (`kernelkit::<op>` records of a patched model) are rows like any other, with their
+module, % of roof and verdict; nothing is recommended in their place.
 """
 
 from __future__ import annotations
@@ -17,13 +23,18 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+from pathlib import Path
+
 from ..hw.ceilings import Ceilings
 from ..roofline.model import Cost, place
 from .costs import is_matmul
+from .findings import findings
+from .projection import RESULTS, ROOFLINE_EFFICIENCY, Projector, call_shape
 from .trace import OpRecord, Trace
 
-KERNEL_EFFICIENCY = 0.9
+KERNEL_EFFICIENCY = ROOFLINE_EFFICIENCY
 GRAPH_GAP_US = 1.0
+ABOVE_ROOF_PCT = 105.0  # rows measured faster than this % of the roof are reported as such, never clamped
 
 
 @dataclass
@@ -62,6 +73,7 @@ class Row:
     recommendation: str = ""  # registry op that replaces this call
     recommended_via: str = ""  # "op" or "module" (the module class is what the registry replaces)
     saving_ms: float | None = None  # per step, for recommendations through the op itself
+    recommended: bool | None = None  # False: kernelkit's op would be slower here than what runs today
 
 
 @dataclass
@@ -82,9 +94,13 @@ class Report:
     ceilings: dict = field(default_factory=dict)
     assumptions: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    patch_coverage: dict = field(default_factory=dict)  # what kernelkit.patch(model) replaces (or why not)
+    patch: dict = field(default_factory=dict)  # `profile --patch`: measured savings against the projections
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("trace", None)
+        return d
 
 
 def _cost(r: OpRecord) -> Cost:
@@ -119,6 +135,8 @@ class _Registry:
                 self.by_key[key].append(name)
 
     def candidates(self, r: OpRecord) -> tuple[list[str], str]:
+        if r.op.startswith("kernelkit::"):
+            return [], "op"  # kernelkit runs it already
         via_op = [s for n in _forward_names(r.op) for s in self.by_key.get(n, [])]
         if via_op:
             return list(dict.fromkeys(via_op)), "op"
@@ -214,8 +232,12 @@ def _per_step(records: list[OpRecord], steps: int) -> list[list[OpRecord]]:
     return out
 
 
-def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thresholds | None = None) -> Report:
-    """Rows, registry kernels, chains, overhead and findings of a trace against the given ceilings."""
+def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thresholds | None = None,
+            tables: Path | None = RESULTS) -> Report:
+    """Rows, registry kernels, chains, overhead and findings of a trace against the given ceilings.
+
+    Projections use the trace's kernelkit timings, else the benchmark tables under `tables` (the folder
+    of per-GPU result folders; None: none), else the roofline assumption."""
     if not isinstance(trace, Trace):
         recs = list(trace)
         trace = Trace(records=recs, steps=max((r.step for r in recs), default=0) + 1,
@@ -274,18 +296,68 @@ def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thres
                                                   "tflops": ceilings.tflops, "launch_us": ceilings.launch_us,
                                                   "source": ceilings.fingerprint.get("source", "measured")},
                  assumptions={"kernel_efficiency": KERNEL_EFFICIENCY, "graph_gap_us": GRAPH_GAP_US,
-                              "share_of": "GPU kernel time" if measured else "summed roofline floors"},
-                 notes=list(trace.notes))
+                              "share_of": "GPU kernel time" if measured else "summed roofline floors",
+                              "projection": "kernelkit timed on this GPU, else the benchmark tables, else "
+                                            f"{KERNEL_EFFICIENCY:.0%} of the fused floor"},
+                 notes=list(trace.notes), patch_coverage=dict(trace.patch))
+    above = [r for r in rows if r.pct_roof is not None and r.pct_roof > ABOVE_ROOF_PCT]
+    if above:
+        top = max(above, key=lambda r: r.pct_roof)
+        rep.notes.append(f"{len(above)} row(s) measure above {ABOVE_ROOF_PCT:.0f}% of the roof (most: {top.op} in "
+                         f"{top.module or '<top>'} [{top.phase}] at {top.pct_roof:.0f}%): the ceiling understates "
+                         f"what this GPU does at that shape (cache reuse, a faster GEMM than the ceiling's), or the "
+                         f"cost model overstates the op's work")
     per_step = _per_step(records, steps)
     assign = assign_registry(per_step, reg) if reg is not None else {}
-    rep.kernels = registry_kernels(per_step, assign, ceilings, rows, measured, gpu_ms)
+    projector = Projector(ceilings, trace.kernel_times, tables) if reg is not None else None
+    rep.kernels = registry_kernels(per_step, assign, ceilings, rows, measured, gpu_ms, projector)
     rep.chains = fusible_chains(per_step, ceilings, reg, measured, gpu_ms, assign)
     rep.overhead = overhead(timeline, th, ceilings) if measured else predicted_overhead(rows, ceilings, th)
     for what, us in sorted(trace.unattributed.items(), key=lambda kv: -kv[1])[:10]:
         ms = us / steps / 1e3
         rep.unattributed.append({"what": what, "ms": ms, "share_pct": 100.0 * ms / gpu_ms if gpu_ms else 0.0})
-    rep.findings = _findings(rep, th)
+    rep.findings = findings(rep, th)
     return rep
+
+
+def _call_shapes(per_step, assign: dict, specs: dict) -> dict[tuple, tuple | None]:
+    """(registry op, module) -> (shape, dtype) of the kernelkit call replacing its calls, read off the first
+    step's forward calls (the backward's when there is no forward)."""
+    runs: dict[tuple, dict[str, list[OpRecord]]] = defaultdict(lambda: defaultdict(list))
+    for r in per_step[0] if per_step else []:
+        if id(r) in assign:
+            runs[(assign[id(r)][0], r.module)][r.phase].append(r)
+    return {key: call_shape(key[0], specs.get(key[0]), by.get("fwd") or by.get("bwd"))
+            for key, by in runs.items() if key[0] in specs}
+
+
+def _calls_in(run: list[OpRecord], spec, via: str) -> int:
+    """kernelkit calls replacing `run`: one per module instance and phase, or, where the registry op
+    replaces an aten op itself, as many as the most frequent of the ops it replaces."""
+    if via != "op" or spec is None:
+        return 1
+    count = defaultdict(int)
+    for r in run:
+        names = [n for n in _forward_names(r.op) if n in spec.replaces]
+        if names:
+            count[names[0]] += 1
+    return max(count.values(), default=1)
+
+
+def kernel_calls(trace: Trace) -> dict[tuple, set]:
+    """(registry op, shape, dtype) -> phases: the kernelkit calls that would replace the trace's calls, to
+    time on the GPU (projection.time_calls)."""
+    reg = _registry()
+    if reg is None:
+        return {}
+    per_step = _per_step([r for r in trace.records if r is not None], max(trace.steps, 1))
+    assign = assign_registry(per_step, reg)
+    out: dict[tuple, set] = defaultdict(set)
+    for (op, module), sd in _call_shapes(per_step, assign, reg.specs).items():
+        if sd is not None:
+            out[(op, sd[0], sd[1])] |= {r.phase for r in per_step[0] if assign.get(id(r), ("",))[0] == op
+                                        and r.module == module}
+    return dict(out)
 
 
 def assign_registry(per_step, reg: _Registry) -> dict[int, tuple[str, str]]:
@@ -315,19 +387,14 @@ def assign_registry(per_step, reg: _Registry) -> dict[int, tuple[str, str]]:
 
 
 def registry_kernels(per_step, assign: dict, ceilings: Ceilings, rows: list[Row], measured: bool,
-                     gpu_ms: float) -> list[dict]:
-    """Calls a registry op replaces, per (registry op, module class): their time today against the floor
-    of the fused calls that replace them (one per module instance and phase: its true inputs and outputs)."""
+                     gpu_ms: float, projector: Projector | None = None) -> list[dict]:
+    """Calls a registry op replaces, per (registry op, module class): their time today against kernelkit's
+    time for the same work (`Projector`: timed, from the tables, or at 90% of the fused floor) and the floor
+    of the fused calls that replace them (one per module instance and phase: its true inputs and outputs).
+    `recommended` is False where kernelkit would not save time."""
     steps = len(per_step)
-    by_row = {(r.op, r.module, r.phase, _fmt_shapes(r.shapes), ",".join(r.dtypes)): assign[id(r)]
-              for recs in per_step for r in recs if id(r) in assign}
-    for row in rows:
-        hit = by_row.get((row.op, row.module, row.phase, row.shapes, row.dtypes))
-        if hit:
-            row.recommendation, row.recommended_via = hit
-            if measured and hit[1] == "op":
-                row.saving_ms = max(0.0, row.ms - row.floor_ms / KERNEL_EFFICIENCY)
-
+    specs = projector.specs if projector is not None else {}
+    shapes = _call_shapes(per_step, assign, specs) if specs else {}
     agg: dict[tuple, dict] = {}
     for recs in per_step:
         units: dict[tuple, list[OpRecord]] = defaultdict(list)
@@ -339,7 +406,7 @@ def registry_kernels(per_step, assign: dict, ceilings: Ceilings, rows: list[Row]
             a = agg.setdefault((spec, via, klass), {
                 "kernel": spec, "replaces": {}, "via": via, "in": klass, "instances": set(), "calls": 0.0,
                 "phases": set(), "shapes": defaultdict(set), "today_ms": 0.0 if measured else None,
-                "floor_sum_ms": 0.0, "fused_floor_ms": 0.0})
+                "floor_sum_ms": 0.0, "fused_floor_ms": 0.0, "kernelkit_ms": 0.0, "sources": {}})
             a["replaces"].update(dict.fromkeys(r.op.split("::")[-1] for r in run))
             a["instances"].add(module)
             a["phases"].add(phase)
@@ -349,7 +416,16 @@ def registry_kernels(per_step, assign: dict, ceilings: Ceilings, rows: list[Row]
             if measured:
                 a["today_ms"] += sum(r.ms or 0.0 for r in run) / steps
             a["floor_sum_ms"] += sum(place(_cost(r), ceilings).floor_ms for r in run) / steps
-            a["fused_floor_ms"] += _fused_floor_ms(run, ceilings)[0] / steps
+            fused = _fused_floor_ms(run, ceilings)[0]
+            a["fused_floor_ms"] += fused / steps
+            if projector is not None:
+                ms, kind, source = projector.ms(spec, shapes.get((spec, module)), phase,
+                                                _calls_in(run, specs.get(spec), via), fused)
+            else:
+                ms, kind = fused / KERNEL_EFFICIENCY, "roofline"
+                source = f"assumed {KERNEL_EFFICIENCY:.0%} of the fused floor"
+            a["kernelkit_ms"] += ms / steps
+            a["sources"].setdefault(kind, f"{phase}: {source}")
     out = []
     for a in agg.values():
         a["instances"], a["phases"] = len(a["instances"]), "+".join(sorted(a["phases"], reverse=True))
@@ -357,10 +433,27 @@ def registry_kernels(per_step, assign: dict, ceilings: Ceilings, rows: list[Row]
         ops = list(a["replaces"])
         a["replaces"] = a["in"] if a["via"] == "module" else ("+" if a["via"] == "pattern" else ", ").join(ops)
         base = a["today_ms"] if measured else a["floor_sum_ms"]
-        a["saving_ms"] = max(0.0, base - a["fused_floor_ms"] / KERNEL_EFFICIENCY)
+        sources = a.pop("sources")
+        a["projection"] = "+".join(sorted(sources))
+        a["projection_source"] = "; ".join(sources.values())
+        a["saving_ms"] = base - a["kernelkit_ms"]
+        a["recommended"] = a["saving_ms"] > 0
         a["share_pct"] = 100.0 * base / gpu_ms if gpu_ms else 0.0
         a["saving_pct"] = 100.0 * a["saving_ms"] / gpu_ms if gpu_ms else 0.0
         out.append(a)
+
+    entries = {(a["kernel"], a["via"], a["in"]): a for a in out}
+    by_row = {(r.op, r.module, r.phase, _fmt_shapes(r.shapes), ",".join(r.dtypes)): assign[id(r)]
+              for recs in per_step for r in recs if id(r) in assign}
+    for row in rows:
+        hit = by_row.get((row.op, row.module, row.phase, row.shapes, row.dtypes))
+        if hit:
+            row.recommendation, row.recommended_via = hit
+            entry = entries.get(hit + (row.module.rsplit(":", 1)[-1] if row.module else "<top>",))
+            row.recommended = entry["recommended"] if entry else None
+            if measured and hit[1] == "op" and entry and entry["kernelkit_ms"] > 0:
+                efficiency = entry["fused_floor_ms"] / entry["kernelkit_ms"]
+                row.saving_ms = max(0.0, row.ms - row.floor_ms / efficiency) if efficiency > 0 else 0.0
     return sorted(out, key=lambda a: -a["saving_ms"])
 
 
@@ -401,7 +494,7 @@ def fusible_chains(per_step, ceilings: Ceilings, reg: _Registry | None, measured
     for i, r in enumerate(first):
         if (r.kernels is not None and not r.kernels) or r.bytes == 0:
             continue  # ran on the CPU or moved nothing: neither part of a chain nor a break in one
-        if is_matmul(r.op) or place(_cost(r), ceilings).regime == "compute":
+        if is_matmul(r.op) or r.op.startswith("kernelkit::") or place(_cost(r), ceilings).regime == "compute":
             close()
             continue
         if run and run[-1][1].phase != r.phase:
@@ -461,57 +554,3 @@ def predicted_overhead(rows: list[Row], ceilings: Ceilings, th: Thresholds) -> d
     return {"predicted": True, "kernels_per_step": kernels, "launch_us": ceilings.launch_us,
             "floor_ms": floors, "with_launch_floor_ms": with_launch, "idle_pct": pct, "graph_gain_ms": gain,
             "graph_gain_pct": 100.0 * gain / with_launch if with_launch else 0.0, "bound": pct >= th.overhead_pct}
-
-
-def _short_ops(ops, n=6) -> str:
-    names = [o.replace("aten::", "") for o in ops]
-    return " -> ".join(names[:n]) + (f" ... ({len(names)} ops)" if len(names) > n else "")
-
-
-def _findings(rep: Report, th: Thresholds) -> list[str]:
-    out = []
-    pred = "" if rep.measured else " (predicted: at least, since eager time is taken at its floor)"
-    for k in rep.kernels:
-        if k["saving_pct"] >= th.chain_pct or k["share_pct"] >= th.hot_pct:
-            today = f"{k['today_ms']:.3f} ms" if rep.measured else f"{k['floor_sum_ms']:.3f} ms of floors"
-            where = "" if k["via"] == "module" else f" in {k['in']}"
-            unstable = f", {k['distinct_shapes']} distinct shapes" if k["distinct_shapes"] > th.max_shapes else ""
-            out.append(f"kernelkit.{k['kernel']} replaces {k['replaces']}{where} ({k['instances']} instance(s), "
-                       f"{k['phases']}{unstable}): {today} today -> fused floor {k['fused_floor_ms']:.3f} ms; "
-                       f"projected saving "
-                       f"{k['saving_ms']:.3f} ms/step ({k['saving_pct']:.1f}%){pred}")
-    for r in rep.rows:
-        if r.verdict.startswith(("KERNEL", "candidate")) and not r.recommendation:
-            if not rep.measured and r.regime == "compute":
-                continue  # a library GEMM at its predicted floor says nothing; summarized below
-            at = f" at {r.pct_roof:.0f}% of roof" if r.pct_roof is not None else ""
-            out.append(f"{r.verdict.split(':')[0]}: {r.op} in {r.module or '<top>'} [{r.phase}] ({r.shapes}), "
-                       f"{r.share_pct:.1f}% of the step, {r.regime}-bound{at}; kernelkit has no kernel for it")
-            if sum(f.startswith(("KERNEL", "candidate")) for f in out) >= 8:
-                break
-    if not rep.measured:
-        mm = sum(r.share_pct for r in rep.rows if r.regime == "compute")
-        out.append(f"compute-bound ops (matmuls, attention) are {mm:.0f}% of the predicted step at their floor; "
-                   f"only a measurement on the GPU shows how far below the roof they run")
-    for c in [c for c in rep.chains if not c["covered_by"]][:5]:
-        if c["saving_pct"] >= th.chain_pct:
-            mods = [m.split(":")[0] or "<top>" for m in c["modules"]]
-            where = mods[0] if len(mods) == 1 else f"{mods[0]} .. {mods[-1]}"
-            today = f"{c['today_ms']:.3f} ms today" if rep.measured else f"{c['floor_sum_ms']:.3f} ms of floors"
-            rec = f"; kernelkit.{c['recommendation']} fuses it" if c["recommendation"] else ""
-            out.append(f"fusible chain of {c['n']} memory-bound ops [{c['phase']}] in {where} "
-                       f"({_short_ops(c['ops'])}): {today}, fused floor "
-                       f"{c['fused_floor_ms']:.3f} ms ({c['bytes_fused'] / 1e6:.1f} of "
-                       f"{c['bytes_today'] / 1e6:.1f} MB); "
-                       f"saving {c['saving_ms']:.3f} ms/step{rec}")
-    o = rep.overhead
-    if o.get("bound"):
-        what = "launch floors take" if o["predicted"] else "the GPU idles between kernels for"
-        out.append(f"launch overhead: {what} {o['idle_pct']:.0f}% of the step "
-                   f"({o['kernels_per_step']:.0f} kernels/step); "
-                   f"CUDA graphs or torch.compile(mode='reduce-overhead') would recover about "
-                   f"{o['graph_gain_ms']:.3f} ms/step ({o['graph_gain_pct']:.0f}%)")
-    un = sum(u["share_pct"] for u in rep.unattributed)
-    if un >= 5.0:
-        out.append(f"{un:.0f}% of GPU time ran outside any recorded op (top: {rep.unattributed[0]['what']})")
-    return out

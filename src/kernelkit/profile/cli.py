@@ -1,4 +1,4 @@
-"""`kernelkit profile FILE.py:FUNCTION` / `kernelkit profile --example llama`."""
+"""`kernelkit profile FILE.py:FUNCTION` / `kernelkit profile --example llama` [--patch: then under kernelkit.patch]."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def load_target(target: str):
 
 def profile_command(
     target: Optional[str] = typer.Argument(None, help="FILE.py:FUNCTION returning (model, inputs)"),
-    example: Optional[str] = typer.Option(None, help="a built-in example instead of a target: llama"),
+    example: Optional[str] = typer.Option(None, help="a built-in example instead of a target: llama (written out), "
+                                                          "hf-llama (transformers' LlamaForCausalLM, same sizes)"),
     steps: int = typer.Option(3, help="profiled steps (after one warm-up step)"),
     backward: bool = typer.Option(True, help="profile the backward too"),
     gpu: Optional[str] = typer.Option(None, help="predict for this GPU instead of measuring (h100, a100, ...)"),
@@ -64,6 +65,11 @@ def profile_command(
     overhead: float = typer.Option(10.0, help="launch overhead is a finding above this % of idle GPU time"),
     json_only: bool = typer.Option(False, "--json-only", help="write profile.json and trace.json only, print no table"),
     top: int = typer.Option(25, help="rows in the terminal table"),
+    patch: bool = typer.Option(False, "--patch", help="then profile under kernelkit.patch (all of it, then each "
+                               "switch alone) and set each projection against the time it saved (GPU only; a "
+                               "Hugging Face model: --example llama becomes hf-llama)"),
+    time_kernels: bool = typer.Option(True, help="time kernelkit's kernels at the model's shapes for the "
+                                      "projections (GPU only; else the benchmark tables or 90% of the roof)"),
 ):
     """Profile a model step: each op on the roofline with a verdict, fusible chains, launch overhead."""
     from rich.console import Console
@@ -72,7 +78,8 @@ def profile_command(
     from ..hw.ceilings import ceilings_for
     from .analysis import Thresholds, analyze
     from .examples import build_example
-    from .report import print_report, write_reports
+    from .projection import patch_coverage, time_calls
+    from .report import print_patch_comparison, print_report, write_reports
     from .trace import measure, predict
 
     # Logs and pipes get a wide table; a terminal gets its own width.
@@ -89,6 +96,12 @@ def profile_command(
         ceilings, measured = ceilings_for(gpu)
     except ValueError as e:
         fail(str(e))
+    if patch and not measured:
+        fail("--patch measures the model before and after kernelkit.patch: it needs a CUDA GPU (and no --gpu)")
+    if patch and example == "llama":
+        example = "hf-llama"  # kernelkit.patch takes Hugging Face models: the same sizes as LlamaForCausalLM
+        console.print("note: --patch profiles --example llama as transformers' LlamaForCausalLM (hf-llama): "
+                      "kernelkit.patch swaps modules of Hugging Face models", highlight=False)
     what = target or f"--example {example}"
     try:
         if example:
@@ -109,10 +122,30 @@ def profile_command(
         fail(f"running the model from {what} failed ({how}, one forward{' and backward' if backward else ''}): "
              f"{_why(e)}. Check that the model and its inputs are on the same device and that model(*inputs) "
              f"runs on its own.")
-    rep = analyze(trace, ceilings, Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes, overhead_pct=overhead))
+    trace.patch = patch_coverage(model)
+    if measured and time_kernels:
+        trace.kernel_times = time_calls(trace)
+    th = Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes, overhead_pct=overhead)
+    rep = analyze(trace, ceilings, th)
+    rep.trace = trace
     if not json_only:
         print_report(rep, console, top=top)
+    after = None
+    if patch:
+        from .compare import patch_comparison
+
+        try:
+            rep.patch, after = patch_comparison(model, inputs, ceilings, rep, th, steps=steps, backward=backward,
+                                                progress=lambda label: err.print(f"profiling {label}", highlight=False))
+        except Exception as e:
+            fail(f"profiling {what} under kernelkit.patch failed: {_why(e)}")
+        if not json_only:
+            print_patch_comparison(rep.patch, console)
+            print_report(after, console, top=top, title="under kernelkit.patch(model)")
     paths = write_reports(rep, ceilings, out, trace=trace, json_only=json_only)
+    if after is not None:
+        write_reports(after, ceilings, Path(out) / "patched", trace=after.trace, json_only=json_only)
     main = paths.get("html", paths["json"])
-    others = ", ".join(p.name for k, p in paths.items() if p != main)
-    console.print(f"report written: {main}" + (f" (also {others})" if others else ""), highlight=False)
+    others = [p.name for p in paths.values() if p != main] + (["patched/ (the run under kernelkit.patch)"]
+                                                              if after is not None else [])
+    console.print(f"report written: {main}" + (f" (also {', '.join(others)})" if others else ""), highlight=False)

@@ -13,6 +13,10 @@ except where the op only writes it (fill_, zero_, copy_ into it, random fills, o
 
 from __future__ import annotations
 
+import ast
+import re
+from dataclasses import dataclass
+
 import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -26,6 +30,19 @@ PER_ELEMENT_FLOPS = {
     "aten::native_layer_norm": 7.0, "aten::native_layer_norm_backward": 10.0,
     "aten::_fused_rms_norm": 4.0, "aten::_fused_rms_norm_backward": 8.0,
 }
+
+# Inputs an op reads for their shape only: the fill ops, and nll_loss_backward, which zero-fills the
+# gradient (inside its own call) and scatters one value per row into it.
+SHAPE_ONLY = {"aten::zeros_like": "self", "aten::ones_like": "self", "aten::full_like": "self",
+              "aten::rand_like": "self", "aten::randn_like": "self", "aten::randint_like": "self",
+              "aten::new_zeros": "self", "aten::new_ones": "self", "aten::new_full": "self",
+              "aten::nll_loss_backward": "self", "aten::nll_loss2d_backward": "self"}
+
+# Gathers: of the input named here, only the elements the index selects are read (one row of the table
+# per token for an embedding, one logit per row for nll_loss), not the whole tensor.
+GATHERED = {"aten::embedding": ("weight", "indices"), "aten::nll_loss_forward": ("self", "target"),
+            "aten::nll_loss2d_forward": ("self", "target"), "aten::gather": ("self", "index"),
+            "aten::index_select": ("self", "index")}
 
 # In-place ops that overwrite their target without reading it.
 _WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "exponential_", "bernoulli_",
@@ -144,13 +161,142 @@ def op_cost(func, args, kwargs, out) -> Cost:
         elems = max([t.numel() for t in ins + outs], default=0)
         flops = PER_ELEMENT_FLOPS.get(name, 1.0) * elems
 
-    # Reads: inputs, less in-place targets that are only written and out= buffers.
-    written_args = set()
+    # Reads: inputs, less in-place targets that are only written and out= buffers, inputs read for their
+    # shape, and of a gathered table only the rows the index picks.
+    skipped = set()
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = kwargs.get(a.name, args[i] if i < len(args) and not a.kwarg_only else None)
             base = func._schema.name.split("::")[-1]
             if isinstance(v, torch.Tensor) and (a.kwarg_only or base in _WRITE_ONLY):
-                written_args.add(id(v))
-    reads = [t for t in ins if id(t) not in written_args]
-    return Cost(flops=flops, bytes=tensor_bytes(reads) + tensor_bytes(outs), dtype=dkey)
+                skipped.add(id(v))
+    gathered = 0.0
+    if name in SHAPE_ONLY:
+        skipped.add(id(arg(func, args, kwargs, SHAPE_ONLY[name])))
+    elif name in GATHERED:
+        table, index = (arg(func, args, kwargs, n) for n in GATHERED[name])
+        if isinstance(table, torch.Tensor) and isinstance(index, torch.Tensor) and table.dim():
+            row = table.numel() // max(table.shape[0], 1) if name == "aten::embedding" else 1
+            if name == "aten::index_select":
+                row = table.numel() // max(table.shape[int(arg(func, args, kwargs, "dim"))], 1)
+            picked = min(index.numel() * row, table.numel())
+            skipped.add(id(table))
+            gathered = float(picked * table.element_size())
+            flops = float(picked)
+    reads = [t for t in ins if id(t) not in skipped]
+    return Cost(flops=flops, bytes=tensor_bytes(reads) + gathered + tensor_bytes(outs), dtype=dkey)
+
+
+# --- kernelkit's own calls, named by the profiler range ops/_dispatch.profiled_call opens around them ---
+
+_RANGE = re.compile(r"^kernelkit::(\w+?)(\.backward)?\((.*)\)$", re.S)
+_TENSOR = re.compile(r"^(0d|\d+(?:x\d+)*):(\w+)$")
+_FIELD = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
+
+
+def _split_fields(text: str) -> list[str]:
+    """Split "a=1, b=(2, 3), c='x, y'" at the top-level commas."""
+    out, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument of a kernelkit range: its shape and dtype, no values."""
+
+    shape: tuple
+    dtype: str
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=getattr(torch, self.dtype), device="meta")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
+
+
+def _value(text: str):
+    m = _TENSOR.match(text)
+    if m and hasattr(torch, m.group(2)):
+        return TensorSpec(() if m.group(1) == "0d" else tuple(int(d) for d in m.group(1).split("x")), m.group(2))
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # "<TypeName>": an argument the range could not spell
+
+
+@dataclass(frozen=True)
+class KernelkitCall:
+    """One kernelkit call as a profiler range names it: the registry op, forward or backward, arguments."""
+
+    op: str
+    backward: bool
+    args: tuple
+    kwargs: dict
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        return [v for v in (*self.args, *self.kwargs.values()) if isinstance(v, TensorSpec)]
+
+
+def parse_range(name: str) -> KernelkitCall | None:
+    """`kernelkit::rms_norm(x=8192x4096:bfloat16, eps=1e-05)` (or `.backward(...)`) -> KernelkitCall; None
+    for any other name. The format is written by ops/_dispatch.profiled_call."""
+    m = _RANGE.match(name)
+    if m is None:
+        return None
+    args, kwargs = [], {}
+    for field in _split_fields(m.group(3)):
+        kw = _FIELD.match(field)
+        if kw:
+            kwargs[kw.group(1)] = _value(kw.group(2))
+        else:
+            args.append(_value(field))
+    return KernelkitCall(m.group(1), bool(m.group(2)), tuple(args), kwargs)
+
+
+def kernelkit_cost(call: KernelkitCall) -> tuple[Cost, str]:
+    """The registry's cost model for the call, with meta tensors of its shapes; (cost, "registry"). If the op
+    is not registered or its cost model does not take these arguments: every tensor argument read once and
+    the largest written once, one FLOP per element; (cost, "generic")."""
+    ts = call.tensors
+    floating = [t for t in ts if getattr(torch, t.dtype).is_floating_point]
+    dkey = dtype_key(getattr(torch, floating[0].dtype)) if floating else "fp32"
+    try:
+        from ..ops import registry
+
+        spec = registry.all_ops().get(call.op)
+        if spec is not None:
+            conv = [v.meta() if isinstance(v, TensorSpec) else v for v in call.args]
+            kw = {k: v.meta() if isinstance(v, TensorSpec) else v for k, v in call.kwargs.items()}
+            c = spec.cost(*conv, **kw, backward=call.backward)
+            return Cost(float(c.flops), float(c.bytes), c.dtype), "registry"
+    except Exception:  # a cost model that needs values (cu_seqlens.tolist()) or other arguments
+        pass
+    largest = max((t.nbytes for t in ts), default=0)
+    elems = max((t.numel for t in ts), default=0)
+    reads = sum(t.nbytes for t in ts) + (largest if call.backward else 0)  # backward: the output's gradient too
+    return Cost(float(elems), float(reads + largest), dkey), "generic"

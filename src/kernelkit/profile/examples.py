@@ -94,16 +94,37 @@ class TinyLlama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
 
 
+EXAMPLES = ("llama", "hf-llama")
+
+
+def _hf_llama(cfg: dict, seq: int, dtype, device):
+    """transformers' LlamaForCausalLM with the hand-written example's sizes: the model kernelkit.patch takes."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise ValueError("example 'hf-llama' needs transformers (pip install transformers)") from None
+    config = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["dim"], intermediate_size=cfg["hidden"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                         num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(seq, 2048),
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype=dtype).train()
+
+
 def build_example(name: str = "llama", device: str | None = None, tiny: bool | None = None):
-    """(model, inputs) for a built-in example; `model(*inputs)` returns the scalar loss.
+    """(model, inputs) for a built-in example; `model(*inputs)` (`model(**inputs)` for a dict) returns the
+    loss (a scalar, or an output with `.loss`).
 
     llama: 4 decoder layers (RMSNorm, RoPE, GQA attention through F.scaled_dot_product_attention,
-    SwiGLU MLP), lm_head and cross-entropy, random weights. Full size (hidden 2048, 16 heads over 4 kv
-    heads, MLP 5632, vocab 32000, batch 4 x seq 2048, bf16) on a GPU or the meta device (shapes only,
-    for predicted mode); tiny (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU.
+    SwiGLU MLP), lm_head and cross-entropy, random weights, written out in this file. hf-llama: the same
+    sizes as transformers' LlamaForCausalLM (SDPA attention), inputs {"input_ids", "labels"}: what
+    `kernelkit.patch` takes. Full size (hidden 2048, 16 heads over 4 kv heads, MLP 5632, vocab 32000,
+    batch 4 x seq 2048, bf16) on a GPU or the meta device (shapes only, for predicted mode); tiny
+    (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU.
     """
-    if name != "llama":
-        raise ValueError(f"unknown example {name!r}; available: llama")
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown example {name!r}; available: {', '.join(EXAMPLES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = (device != "cuda") if tiny is None else tiny
     torch.manual_seed(0)
@@ -112,6 +133,12 @@ def build_example(name: str = "llama", device: str | None = None, tiny: bool | N
         batch, seq, dtype = 2, 32, torch.float32
     else:
         cfg, batch, seq, dtype = dict(), 4, 2048, torch.bfloat16
+    if name == "hf-llama":
+        full = {"vocab": 32000, "dim": 2048, "layers": 4, "heads": 16, "kv_heads": 4, "hidden": 5632}
+        model = _hf_llama({**full, **cfg}, seq, dtype, device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+        return model, {"input_ids": ids, "labels": torch.randint(0, model.config.vocab_size, (batch, seq),
+                                                                  device=device)}
     with torch.device(device):  # weights born where they live: no 250M-parameter init on the CPU first
         model = TinyLlama(**cfg).to(dtype=dtype)
     ids = torch.randint(0, cfg.get("vocab", 32000), (batch, seq), device=device)

@@ -53,13 +53,23 @@ def _summary(rep: Report) -> str:
             f"{peaks} TFLOP/s, launch {c.get('launch_us', 0):.1f} us")
 
 
-def print_report(rep: Report, console=None, top: int = 25) -> None:
+def _kernelkit_cell(r: Row) -> str:
+    """What kernelkit does for this row: runs it already, replaces it, or would be slower."""
+    if r.op.startswith("kernelkit::"):
+        return "(running)"
+    if r.recommendation and r.recommended is False:
+        return f"({r.recommendation}: slower)"
+    return r.recommendation
+
+
+def print_report(rep: Report, console=None, top: int = 25, title: str = "") -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=f"kernelkit profile on {rep.gpu}: {_mode(rep)}", caption=_summary(rep), title_justify="left")
+    t = Table(title=f"kernelkit profile on {rep.gpu}: {_mode(rep)}{f', {title}' if title else ''}",
+              caption=_summary(rep), title_justify="left")
     right = {"calls", "ms", "floor ms", "%", "AI", "achieved", "% roof"}
     for col in ("op", "module", "shapes", "calls", "ms" if rep.measured else "floor ms", "%", "AI", "achieved",
                 "% roof", "bound", "verdict", "kernelkit"):
@@ -68,7 +78,7 @@ def print_report(rep: Report, console=None, top: int = 25) -> None:
     for r in rep.rows[:top]:
         t.add_row(escape(r.op.replace("aten::", "")), escape(_module(r)), escape(r.shapes), f"{r.calls:g}",
                   _f(r.ms if rep.measured else r.floor_ms, ".3f"), f"{r.share_pct:.1f}", _f(r.intensity, ".1f"),
-                  _achieved(r), _f(r.pct_roof, ".0f"), r.regime, _verdict_marks(r), r.recommendation)
+                  _achieved(r), _f(r.pct_roof, ".0f"), r.regime, _verdict_marks(r), escape(_kernelkit_cell(r)))
     console.print(t)
     if len(rep.rows) > top:
         console.print(f"({len(rep.rows) - top} more rows in the JSON and HTML reports)")
@@ -78,6 +88,46 @@ def print_report(rep: Report, console=None, top: int = 25) -> None:
     console.print("[bold]findings[/]" if rep.findings else "no findings above the thresholds")
     for f in rep.findings:
         console.print(f"[bold]-[/] {escape(f)}")
+
+
+def patch_table_rows(comp: dict) -> list[dict]:
+    """One row per kernelkit.patch switch and the total: projected and measured saving, step before/after."""
+    out = []
+    for r in [*comp.get("rows", []), comp.get("total", {})]:
+        if not r:
+            continue
+        out.append({"switch": r["switch"], "findings": "; ".join(r.get("findings", [])) or "-",
+                    "projected_ms": r.get("projected_ms"), "projection": r.get("projection", ""),
+                    "measured_ms": r.get("measured_ms"), "step_before_ms": r.get("step_before_ms"),
+                    "step_after_ms": r.get("step_after_ms"), "gpu_before_ms": r.get("gpu_before_ms"),
+                    "gpu_after_ms": r.get("gpu_after_ms"), "fallbacks": r.get("fallbacks", 0),
+                    "call": r.get("call", "")})
+    return out
+
+
+def print_patch_comparison(comp: dict, console=None) -> None:
+    """`profile --patch`: each switch's projected saving against the one measured under kernelkit.patch."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"kernelkit.patch: projected against measured ({comp.get('family', '')} family)",
+              title_justify="left", caption="saving = kernel time of the modules the switch changed, before - after; "
+                                            "step = wall time per step (GPU kernel time in brackets)")
+    for col, right in (("switch", False), ("finding", False), ("projected ms/step", True),
+                       ("measured saving ms/step", True), ("step ms before -> after", True), ("fallbacks", True)):
+        t.add_column(col, justify="right" if right else "left", overflow="fold",
+                     max_width=60 if col == "finding" else None)
+    for r in patch_table_rows(comp):
+        proj = _f(r["projected_ms"], ".3f") + (f" ({r['projection']})" if r["projection"] else "")
+        step = (f"{_f(r['step_before_ms'], '.2f')} -> {_f(r['step_after_ms'], '.2f')} "
+                f"({_f(r['gpu_before_ms'], '.2f')} -> {_f(r['gpu_after_ms'], '.2f')})")
+        t.add_row(escape(r["switch"]), escape(r["findings"]), proj, _f(r["measured_ms"], ".3f"), step,
+                  str(r["fallbacks"] or ""), style="bold" if r["switch"] == "all" else None)
+    console.print(t)
+    for what, why in comp.get("skipped", []):
+        console.print(f"kernelkit.patch left {escape(str(what))} alone: {escape(str(why))}")
 
 
 def _points(rep: Report) -> list[dict]:
@@ -134,14 +184,21 @@ def to_html(rep: Report, png: Path | None) -> str:
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in rep.notes)
     ms = "ms" if rep.measured else "floor_ms"
     op_cols = ["op", "module", "phase", "shapes", "dtypes", "calls", ms, "share_pct", "intensity", "tflops", "gbps",
-               "pct_roof", "regime", "headroom_ms", "distinct_shapes", "verdict", "recommendation", "saving_ms"]
+               "pct_roof", "regime", "headroom_ms", "distinct_shapes", "verdict", "recommendation", "recommended",
+               "saving_ms"]
     if not rep.measured:
         op_cols = [c for c in op_cols if c not in ("tflops", "gbps", "pct_roof", "headroom_ms", "saving_ms")]
     sections = [f"<h2>Findings</h2><ul>{findings}</ul>", img]
+    if doc.get("patch"):
+        sections.append("<h2>Under kernelkit.patch: projected against measured</h2>" + _table(
+            patch_table_rows(doc["patch"]), ["switch", "findings", "projected_ms", "projection", "measured_ms",
+                                             "step_before_ms", "step_after_ms", "gpu_before_ms", "gpu_after_ms",
+                                             "fallbacks", "call"]))
     if doc["kernels"]:
         sections.append("<h2>kernelkit kernels for these ops</h2>" + _table(doc["kernels"], [
             "kernel", "replaces", "via", "in", "instances", "phases", "calls", "distinct_shapes", "today_ms",
-            "floor_sum_ms", "fused_floor_ms", "saving_ms", "saving_pct"]))
+            "floor_sum_ms", "fused_floor_ms", "kernelkit_ms", "projection", "projection_source", "saving_ms",
+            "saving_pct", "recommended"]))
     if doc["chains"]:
         sections.append("<h2>Fusible chains</h2>" + _table(doc["chains"][:20], [
             "phase", "modules", "ops", "today_ms", "floor_sum_ms", "fused_floor_ms", "bytes_today", "bytes_fused",
@@ -165,6 +222,6 @@ td:nth-child(-n+4){{text-align:left}}h2{{font-size:1.1em;margin-top:1.5em}}</sty
 {f"<ul>{notes}</ul>" if notes else ""}
 {''.join(sections)}
 <p>Verdict: room above the floor (measured &ge; room &times; floor), hot (&ge; hot_pct % of the step), stable shape
-(&le; max_shapes distinct shapes). Savings assume a kernel at {rep.assumptions.get('kernel_efficiency', 0.9):.0%}
-of the roof.</p>
+(&le; max_shapes distinct shapes). kernelkit's time for each replacement: {html.escape(rep.assumptions.get(
+'projection', ''))} (the kernels table names the source of each).</p>
 </body></html>"""

@@ -8,6 +8,13 @@ Two collectors feed the same `Trace`, so the analysis never knows which one ran:
   overhead is read from, since the dispatch mode's own CPU time would widen the gaps.
 - `predict` (any machine): the same dispatch mode over one step on the CPU or the meta device, no
   timing; attention is recorded as one fused (flash) call, as it runs on a GPU.
+
+kernelkit's own ops launch their Triton kernels outside the dispatcher, so no aten op holds them. While a
+profiler records, each public kernelkit call runs in a range `kernelkit::<op>(<argument shapes>)` (and its
+backward in `kernelkit::<op>.backward(...)`, ops/_dispatch.profiled_call); the dispatch mode sees the range
+open (`profiler::_record_function_enter_new` is an op too), records the call with the registry's cost model
+at those shapes, and nests a `kkop::<index>` range in it: every kernel inside, the op's own copies and
+fills included, is that call's.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .costs import attention_flops, extent_bytes, op_cost, tensors
+from .costs import attention_flops, extent_bytes, kernelkit_cost, op_cost, parse_range, tensors
 from ..roofline.model import Cost, dtype_key
 
 TRACE_FORMAT = "kernelkit-trace/1"
@@ -91,11 +98,17 @@ class Trace:
     unattributed: dict = field(default_factory=dict)  # "innermost op / kernel" -> us over all steps
     backward: bool = True
     notes: list[str] = field(default_factory=list)
+    # kernelkit's implementation timed on this GPU at the trace's shapes (profile.projection.time_kernelkit):
+    # "op:shape:dtype" -> {"fwd": ms, "bwd": ms} or {"error": why}
+    kernel_times: dict = field(default_factory=dict)
+    # what kernelkit.patch(model) would replace in this model (profile.projection.patch_coverage)
+    patch: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": TRACE_FORMAT, "steps": self.steps, "measured": self.measured, "backward": self.backward,
                 "device_us": self.device_us, "unattributed": self.unattributed, "timeline": self.timeline,
-                "notes": self.notes, "records": [r.to_json() for r in self.records]}
+                "notes": self.notes, "kernel_times": self.kernel_times, "patch": self.patch,
+                "records": [r.to_json() for r in self.records]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Trace":
@@ -104,7 +117,7 @@ class Trace:
         return cls(records=[OpRecord.from_json(r) for r in d["records"]], steps=int(d["steps"]),
                    measured=bool(d["measured"]), timeline=d.get("timeline") or [], device_us=d.get("device_us"),
                    unattributed=d.get("unattributed") or {}, backward=d.get("backward", True),
-                   notes=d.get("notes") or [])
+                   notes=d.get("notes") or [], kernel_times=d.get("kernel_times") or {}, patch=d.get("patch") or {})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -252,6 +265,9 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tracker, self.step, self.sink, self.ids, self.ranges = tracker, step, sink, ids, ranges
         self.muted = 0
+        # Per open kernelkit range: [the kkop range nested in it, ranges opened inside it and not yet closed].
+        # Ranges nest, and an exit gets a fresh Python handle: the exit at depth 0 is the kernelkit range's.
+        self.open: list[list] = []
 
     def make(self, name: str, ins, outs, cost: Cost) -> OpRecord:
         return OpRecord(
@@ -264,9 +280,43 @@ class _Recorder(TorchDispatchMode):
     def record(self, name: str, ins, outs, cost: Cost) -> None:
         self.sink.append(self.make(name, ins, outs, cost))
 
+    def kernelkit_call(self, label: str, func, args, kwargs):
+        """A `kernelkit::` range opens: record the call and nest a `kkop::<index>` range in the kernelkit one.
+        Until it closes, the op's own aten calls (allocations, copies, the fill of a partial sum) are muted:
+        their kernels run inside the range and are the kernelkit call's."""
+        call = parse_range(label)
+        handle = func(*args, **kwargs)
+        if call is None:
+            return handle
+        cost, _ = kernelkit_cost(call)
+        ts = call.tensors
+        index = len(self.sink)
+        self.sink.append(OpRecord(
+            op=f"kernelkit::{call.op}", module=self.tracker.path,
+            phase="bwd" if call.backward or self.tracker.in_backward() else "fwd", step=self.step,
+            shapes=tuple(t.shape for t in ts), dtypes=tuple(t.dtype for t in ts), flops=cost.flops, bytes=cost.bytes,
+            dtype_key=cost.dtype, in_sizes=tuple(t.nbytes for t in ts)))
+        self.open.append([torch.ops.profiler._record_function_enter_new(f"kkop::{index}", None), 0])
+        self.muted += 1
+        return handle
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
+        if name.startswith("profiler::"):  # ranges opening and closing: no kernels, no record of their own
+            if name == "profiler::_record_function_enter_new":
+                if self.open:
+                    self.open[-1][1] += 1
+                elif self.ranges and not self.muted and args and str(args[0]).startswith("kernelkit::"):
+                    return self.kernelkit_call(args[0], func, args, kwargs)
+            elif name == "profiler::_record_function_exit" and self.open:
+                if self.open[-1][1]:
+                    self.open[-1][1] -= 1
+                else:
+                    inner, _ = self.open.pop()
+                    torch.ops.profiler._record_function_exit._RecordFunction(inner)
+                    self.muted -= 1
+            return func(*args, **kwargs)
         returns = func._schema.returns
         is_view = name in _VIEWLIKE or (bool(returns) and returns[0].alias_info is not None
                                          and not returns[0].alias_info.is_write)

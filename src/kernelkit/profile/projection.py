@@ -1,0 +1,300 @@
+"""What a kernelkit op would take in place of what runs today: measured where it can be, never assumed
+silently.
+
+A recommendation is a projection: today's time of the calls a registry op replaces, against the time
+kernelkit's implementation takes for the same work. That time comes from, in order:
+1. "timed": kernelkit's implementation run on this GPU at the call's shape during `profile`
+   (`time_kernelkit`: device time of its kernels from torch.profiler, host time excluded, as the trace's);
+2. "table": the efficiency (% of roof) kernelkit measured at the nearest shape of the committed benchmark
+   results for this GPU (benchmarks/results/<gpu>/<op>*.json), applied to the floor at the call's shape;
+3. "roofline": the assumption that the kernel reaches ROOFLINE_EFFICIENCY (90%) of the fused floor.
+The report names which one each projection used; a kernel slower than what runs today is not recommended.
+
+The shape a registry op is timed at comes from the calls it replaces (`call_shape`): the largest
+floating input of the first call, its leading dims folded into the rank of the op's benchmark shapes
+(`(tokens, hidden)` for norms, GLUs, softmax, cross-entropy); attention reads q, k, v of the fused
+SDPA call and whether it was causal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from ..hw.ceilings import Ceilings
+from ..roofline.model import Cost, place
+from .costs import attention_flops
+from .trace import OpRecord
+
+ROOFLINE_EFFICIENCY = 0.9
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"  # in a source checkout
+
+# The kernelkit.patch switch (keyword of kernelkit.patch) that puts each registry op into a Hugging Face model.
+PATCH_SWITCH = {"rms_norm": "rms_norm", "swiglu": "mlp", "geglu": "mlp", "rope": "rope", "attention": "attention",
+                "cross_entropy": "cross_entropy", "linear_cross_entropy": "cross_entropy"}
+SWITCHES = ("rms_norm", "mlp", "rope", "attention", "cross_entropy")
+
+
+def shape_key(op: str, shape: tuple, dtype: str) -> str:
+    """"attention:4x2048x16x128xTrue:bfloat16", the shape spelled as the benchmark tables spell it."""
+    return f"{op}:{'x'.join(map(str, shape))}:{dtype}"
+
+
+# --- the shape of the kernelkit call that replaces a group of calls ---
+
+def _attention_shape(run: list[OpRecord]) -> tuple[tuple, str] | None:
+    r = next((r for r in run if "scaled_dot_product" in r.op or "attention" in r.op), None)
+    if r is None or len(r.shapes) < 3:
+        return None
+    backward = "backward" in r.op
+    q, k, v = r.shapes[1:4] if backward else r.shapes[:3]
+    if not (len(q) == len(k) == len(v) == 4):
+        return None
+    full = attention_flops(q, k, v, backward=backward)
+    causal = bool(full and r.flops < 0.75 * full)
+    b, h, s, d = q  # SDPA takes (batch, heads, seq, head_dim); kernelkit.attention (batch, seq, heads, head_dim)
+    shape = (b, s, h, d, causal, k[2], k[1])
+    # make_inputs' shortest spelling, as the tables name shapes: seq_k and heads_kv only where they differ
+    shape = shape if k[1] != h else shape[:6] if k[2] != s else shape[:5]
+    return shape, r.dtypes[1 if backward else 0]
+
+
+def _leading_shape(spec, run: list[OpRecord]) -> tuple[tuple, str] | None:
+    r = run[0]
+    floating = [(s, d) for s, d in zip(r.shapes, r.dtypes) if d.startswith(("float", "bfloat")) and s]
+    if not floating:
+        return None
+    shape, dtype = max(floating, key=lambda sd: math.prod(sd[0]))
+    ranks = {len(s) for s in spec.bench_shapes or spec.test_shapes}
+    rank = min(ranks) if len(ranks) == 1 else len(shape)
+    shape = tuple(shape)
+    if len(shape) > rank:
+        shape = (math.prod(shape[: len(shape) - rank + 1]), *shape[len(shape) - rank + 1:])
+    return (*(1,) * (rank - len(shape)), *shape), dtype
+
+
+SHAPES_FROM_CALLS = {"attention": _attention_shape}
+
+
+def call_shape(op: str, spec, run: list[OpRecord]) -> tuple[tuple, str] | None:
+    """(shape for spec.make_inputs, dtype name) of the kernelkit call replacing `run`, or None."""
+    try:
+        return SHAPES_FROM_CALLS.get(op, lambda r: _leading_shape(spec, r))(run)
+    except Exception:  # records of an unexpected form: no shape, the table or the roofline decides
+        return None
+
+
+# --- timing kernelkit on this GPU ---
+
+def kernel_ms(fn, reps: int = 10) -> float | None:
+    """Mean summed device time of the kernels one call of `fn` launches, L2 flushed before each call: as
+    testing.bench.kernel_time_ms, less the GPU-side copies of profiler ranges (`is_user_annotation`), which
+    kernelkit's own calls open while a profiler records and which would count their kernels twice."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and not getattr(e, "is_user_annotation", False) and "bitwise_not" not in e.name)
+    return total / reps / 1e3 if total > 0 else None
+
+
+def time_kernelkit(spec, shape: tuple, dtype: str, phases, reps: int = 10) -> dict:
+    """Device time of kernelkit's implementation at `shape`: {"fwd": ms[, "bwd": ms]} per call, from the
+    kernels torch.profiler records (L2 flushed before each call); {"error": why} when it cannot run.
+    The forward runs with the gradient inputs requiring grad, as in a training step."""
+    import torch
+
+    from .costs import tensors
+
+    try:
+        args, kwargs = spec.make_inputs(shape, getattr(torch, dtype), "cuda")
+        args = list(args)
+        grads = [i for i in spec.grad_args if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
+        backward = "bwd" in phases and bool(grads)
+        for i in grads:
+            args[i] = args[i].detach().requires_grad_(backward)
+        out = {}
+        with torch.set_grad_enabled(backward):
+            out["fwd"] = kernel_ms(lambda: spec.fn(*args, **kwargs), reps)
+            if backward:
+                res = [t for t in tensors(spec.fn(*args, **kwargs)) if t.requires_grad]
+                gouts = [torch.randn_like(t) for t in res]
+                ins = [args[i] for i in grads]
+                out["bwd"] = kernel_ms(lambda: torch.autograd.grad(res, ins, gouts, retain_graph=True), reps)
+        return out
+    except Exception as e:  # out of memory, a shape the op refuses: say so, fall back to the table
+        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def time_calls(trace, reps: int = 10) -> dict:
+    """Time kernelkit at every (op, shape, dtype) the trace's registry candidates would call it with."""
+    from ..ops import registry
+    from .analysis import kernel_calls
+
+    specs = registry.all_ops()
+    out = {}
+    for (op, shape, dtype), phases in kernel_calls(trace).items():
+        out[shape_key(op, shape, dtype)] = time_kernelkit(specs[op], shape, dtype, phases, reps)
+    return out
+
+
+# --- the committed benchmark tables ---
+
+def results_dir(gpu: str, root: Path | None = RESULTS) -> Path | None:
+    """benchmarks/results/<dir> whose name is part of the GPU's name ("h100" in "NVIDIA H100 80GB HBM3")."""
+    if root is None or not Path(root).is_dir():
+        return None
+    name = gpu.lower().replace(" ", "").replace("-", "")
+    for d in sorted(Path(root).iterdir()):
+        if d.is_dir() and d.name.lower().replace("-", "") in name:
+            return d
+    return None
+
+
+@lru_cache(maxsize=8)
+def _table_rows(folder: str) -> tuple:
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")) + sorted(Path(folder).glob("kernel-time/*.json")):
+        if path.name.endswith(".configs.json"):
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
+            rel = path.relative_to(Path(folder).parent)  # "h100/attention-d128.json"
+            rows += [dict(r, file=str(rel)) for r in doc["rows"] if isinstance(r, dict)]
+    return tuple(rows)
+
+
+def _parse_shape(text: str) -> tuple:
+    out = []
+    for part in str(text).split("x"):
+        out.append(part == "True" if part in ("True", "False") else int(part) if part.isdigit() else part)
+    return tuple(out)
+
+
+def table_efficiency(folder: Path | None, op: str, shape: tuple, dtype: str, phase: str) -> tuple[float, str] | None:
+    """(kernelkit's fraction of the roof, where it comes from) at the nearest benchmarked shape: the same
+    rank and flags (causal), the smallest summed log-ratio of the sizes; kernel-only timings preferred."""
+    if folder is None:
+        return None
+    best = None
+    for r in _table_rows(str(folder)):
+        if r.get("op") != op or r.get("impl") != "kernelkit" or r.get("mode") != phase or not r.get("pct_roof"):
+            continue
+        theirs = _parse_shape(r.get("shape", ""))
+        if len(theirs) > len(shape) or len(theirs) < min(len(shape), 2):
+            continue  # a shorter table shape leaves trailing arguments at their defaults (attention's GQA heads)
+        flags = [(a, b) for a, b in zip(theirs, shape) if isinstance(a, bool) or isinstance(b, bool)]
+        sizes = [(a, b) for a, b in zip(theirs, shape) if not (isinstance(a, bool) or isinstance(b, bool))]
+        if any(a != b for a, b in flags) or not all(isinstance(a, int) and a > 0 and b > 0 for a, b in sizes):
+            continue
+        eff = r["pct_roof"] / 100.0
+        if r.get("kernel_ms") and r.get("ms"):
+            eff *= r["ms"] / r["kernel_ms"]  # the kernels alone, as the trace times today's calls
+        # nearest size first; then the same dtype, kernel-only timings, and the plainest file (attention-d128.json
+        # before an experiment's attention-d128-separate-dq.json)
+        dist = (len(shape) - len(theirs), round(sum(abs(math.log(a / b)) for a, b in sizes), 6),
+                r.get("dtype") != dtype, not r.get("kernel_ms"), len(r["file"]))
+        if best is None or dist < best[0]:
+            best = (dist, eff, f"{r['file']} at {r['shape']} {r.get('dtype', '')}".rstrip())
+    return None if best is None else (min(best[1], 1.0), best[2])
+
+
+def floor_at(spec, shape: tuple, dtype: str, phase: str, ceilings: Ceilings) -> float | None:
+    """The roofline floor (ms) of one kernelkit call at `shape`, from the registry's cost model."""
+    import torch
+
+    try:
+        args, kwargs = spec.make_inputs(shape, getattr(torch, dtype), "meta")
+        c = spec.cost(*args, **kwargs, backward=phase == "bwd")
+        return place(Cost(float(c.flops), float(c.bytes), c.dtype), ceilings).floor_ms
+    except Exception:
+        return None
+
+
+class Projector:
+    """kernelkit's time for a unit of replaced calls, and which source gave it."""
+
+    def __init__(self, ceilings: Ceilings, kernel_times: dict | None, tables: Path | None):
+        from ..ops import registry
+
+        self.ceilings, self.times = ceilings, kernel_times or {}
+        self.folder = results_dir(ceilings.gpu, tables) if tables is not None else None
+        self.specs = registry.all_ops()
+
+    def ms(self, op: str, shape_dtype: tuple | None, phase: str, calls: float, fused_floor_ms: float
+           ) -> tuple[float, str, str]:
+        """(ms for `calls` kernelkit calls, "timed" | "table" | "roofline", the source in words)."""
+        spec = self.specs.get(op)
+        if shape_dtype is not None and spec is not None:
+            shape, dtype = shape_dtype
+            timed = self.times.get(shape_key(op, shape, dtype), {})
+            if timed.get(phase):
+                return timed[phase] * calls, "timed", f"timed on this GPU at {'x'.join(map(str, shape))} {dtype}"
+            eff = table_efficiency(self.folder, op, shape, dtype, phase)
+            floor = floor_at(spec, shape, dtype, phase, self.ceilings)
+            if eff is not None and floor:
+                return floor / eff[0] * calls, "table", f"{eff[0]:.0%} of roof in {eff[1]}"
+        return (fused_floor_ms / ROOFLINE_EFFICIENCY, "roofline",
+                f"assumed {ROOFLINE_EFFICIENCY:.0%} of the fused floor (no timing, no table)")
+
+
+# --- what kernelkit.patch would do to this model ---
+
+def patch_module():
+    """The kernelkit.patch package (imported here, lazily: the profiler must work without it)."""
+    import importlib
+
+    return importlib.import_module("kernelkit.patch")
+
+
+def patch_coverage(model) -> dict:
+    """Patch and unpatch `model` at once (no forward runs) to read what kernelkit.patch(model) replaces:
+    {"family": ..., "replaced": {switch: [module classes]}, "skipped": [[what, why]]}, or {"error": why}."""
+    try:
+        kpatch = patch_module()
+    except Exception as e:  # being written, or transformers missing: the findings say so
+        return {"error": f"kernelkit.patch is not importable ({type(e).__name__}: {e})"}
+    if not hasattr(model, "modules"):
+        return {"error": "not an nn.Module"}
+    try:
+        report = kpatch.patch(model)
+    except Exception as e:
+        return {"error": " ".join(str(e).split())[:300]}
+    kpatch.unpatch(model)
+    replaced: dict[str, list[str]] = {}
+    for r in report.replaced:
+        replaced.setdefault(r.kind, []).append(r.target)
+    return {"family": report.family, "replaced": replaced, "skipped": [list(s) for s in report.skipped]}
+
+
+def apply_text(op: str, klass: str, coverage: dict | None) -> str:
+    """How to apply a registry op to the model: the kernelkit.patch call and its switch, or the op to call."""
+    switch = PATCH_SWITCH.get(op)
+    direct = f"call kernelkit.{op} in {klass}'s forward"
+    if switch is None:
+        return f"{direct} (kernelkit.patch does not swap {op})"
+    only_off = f"switch {switch}: kernelkit.patch(model, {switch}=False) keeps the rest without it"
+    if not coverage:
+        return f"apply with kernelkit.patch(model) on a Hugging Face model ({only_off})"
+    if coverage.get("error"):
+        return f"kernelkit.patch(model) does not take this model ({coverage['error']}); {direct}"
+    if switch in coverage.get("replaced", {}):
+        return f"apply with kernelkit.patch(model) ({only_off})"
+    why = next((w for what, w in coverage.get("skipped", []) if klass in what or switch in what), "")
+    return f"kernelkit.patch(model) leaves it alone{f' ({why})' if why else ''}; {direct}"
