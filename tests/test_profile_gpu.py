@@ -150,8 +150,6 @@ def test_kernelkit_kernels_are_attributed_in_a_patched_model():
     assert rep.attributed_pct + lce_pct >= 95, (rep.attributed_pct, rep.unattributed[:5])
 
 
-@pytest.mark.xfail(reason="ops/linear_cross_entropy.py has its own dispatch: it must call _dispatch.profiled_call "
-                          "while a profiler records", strict=False)
 def test_linear_cross_entropy_kernels_are_attributed():
     model, inputs, kpatch = _patched_hf_llama()
     kpatch.patch(model)
