@@ -1,0 +1,209 @@
+"""Use it: swap kernelkit ops into one Hugging Face model instance, and back.
+
+    report = kernelkit.patch(model)      # RMSNorm, SwiGLU/GeGLU, RoPE, attention, fused linear CE
+    print(report)                        # what was replaced, what was left alone, fallbacks so far
+    kernelkit.unpatch(model)             # the model as it was
+
+One table-driven patcher (`families.FAMILIES`, one row per model family) serves every family. It patches
+the instance, never its class: another model of the same class in the process keeps its code.
+- RMSNorms and gated MLPs get a bound `forward` on the instance (`modules.py`); parameters stay where
+  they are, so the state_dict is unchanged, shared, never copied.
+- Attention modules get a bound `forward`: the class's own function with the module-level rope function
+  swapped for kernelkit's (`modules.with_globals`); the rotary module still computes cos/sin, so every
+  rope scaling (Llama 3, YaRN, Phi-3's long rope) works unchanged.
+- Attention runs through `transformers.AttentionInterface` under the name "kernelkit" (`attention.py`).
+  The attention implementation is read from the config, which instances built from one config object
+  share: the patched instance gets a private deep copy of its config naming "kernelkit" (unpatch puts
+  the original object back; edits made to `model.config` while patched are dropped with the copy).
+- The causal LM's forward takes the fused linear cross-entropy when called with labels (`loss.py`).
+
+Calls kernelkit cannot compute exactly run the original code and are counted in the report. On a
+machine without CUDA, outside the Triton interpreter (TRITON_INTERPRET=1), `patch` still patches, and
+every call runs the original code (counted as fallbacks), as `kernelkit.nn.RMSNorm` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+
+import torch
+
+from .families import ACTIVATIONS, FAMILIES, Family, find_family
+from .report import PatchReport, Replacement
+
+class _MISSING:  # "no instance attribute": a class, so that a deep copy of a patched model keeps it
+    pass
+
+
+class _Undo:
+    """Attributes set on objects, and what was there before, restored in reverse order."""
+
+    def __init__(self):
+        self.log: list[tuple[object, str, object]] = []
+
+    def set(self, obj, name: str, value) -> None:
+        self.log.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        for obj, name, old in reversed(self.log):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self.log.clear()
+
+
+class _Patched:
+    def __init__(self, report: PatchReport, undo: _Undo):
+        self.report, self.undo = report, undo
+
+
+def _instances(model, class_names) -> dict[str, list[torch.nn.Module]]:
+    found: dict[str, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        if type(m).__name__ in class_names:
+            found.setdefault(type(m).__name__, []).append(m)
+    return found
+
+
+def _bind(undo: _Undo, module, forward, settings) -> None:
+    undo.set(module, "_kernelkit", settings)
+    undo.set(module, "forward", types.MethodType(forward, module))
+
+
+def _patch_norms(model, fam: Family, report, undo) -> None:
+    from ..ops.registry import get
+    from .modules import norm_forward, norm_settings
+
+    names = set(fam.norms) | {n for n in get("rms_norm").replaces if "::" not in n}
+    op = f"kernelkit.rms_norm(offset={fam.norm_offset:g})"
+    for cls, mods in _instances(model, names).items():
+        done = 0
+        for m in mods:
+            settings = norm_settings(m, fam.norm_offset, report)
+            if isinstance(settings, str) or "forward" in vars(m):
+                report.skip(cls, settings if isinstance(settings, str) else "forward already replaced")
+                continue
+            _bind(undo, m, norm_forward, settings)
+            done += 1
+        report.add("rms_norm", cls, op, done)
+
+
+def _patch_mlps(model, fam: Family, report, undo) -> None:
+    from .modules import mlp_forward, mlp_settings
+
+    for cls, mods in _instances(model, fam.mlps).items():
+        done, op = 0, ""
+        for m in mods:
+            settings = mlp_settings(m, fam, ACTIVATIONS, report)
+            if isinstance(settings, str) or "forward" in vars(m):
+                report.skip(cls, settings if isinstance(settings, str) else "forward already replaced")
+                continue
+            _bind(undo, m, mlp_forward, settings)
+            op = settings.describe()
+            done += 1
+        report.add("mlp", cls, op, done)
+
+
+def _patch_rope(model, fam: Family, report, undo) -> None:
+    from .modules import rope_function, rope_signature_ok, with_globals
+
+    for cls, mods in _instances(model, fam.attentions).items():
+        fn = type(mods[0]).forward
+        original = getattr(fn, "__globals__", {}).get(fam.rope_function)
+        if inspect.unwrap(fn) is not fn or fam.rope_function not in fn.__code__.co_names \
+                or original is None or not rope_signature_ok(original):
+            report.skip(cls, f"forward does not call {fam.rope_function}(q, k, cos, sin, unsqueeze_dim) directly")
+            continue
+        forward = with_globals(fn, {fam.rope_function: rope_function(original, report)})
+        done = 0
+        for m in mods:
+            if "forward" in vars(m):
+                report.skip(cls, "forward already replaced")
+                continue
+            undo.set(m, "forward", types.MethodType(forward, m))
+            done += 1
+        report.add("rope", cls, f"kernelkit.rope in place of {fam.rope_function}", done)
+
+
+def _patch_attention(model, fam: Family, report, undo) -> None:
+    from . import attention
+
+    found = _instances(model, fam.attentions)
+    if not found:
+        return
+    config = model.config
+    if getattr(config, "sub_configs", None) and any(getattr(config, k, None) is not None for k in config.sub_configs):
+        report.skip("attention", "composite (multimodal) config: attention left to its sub-models' settings")
+        return
+    attention.register()
+    private = copy.deepcopy(config)
+    private._attn_implementation = attention.NAME
+    for m in model.modules():
+        if getattr(m, "config", None) is config:
+            undo.set(m, "config", private)
+    for cls, mods in found.items():
+        for m in mods:
+            undo.set(m, "_kernelkit", attention.AttentionSettings(report))
+        report.add("attention", cls, f'kernelkit attention (AttentionInterface "{attention.NAME}")', len(mods))
+
+
+def _patch_loss(model, fam: Family, report, undo) -> None:
+    from .loss import causal_lm_forward, loss_settings
+
+    settings = loss_settings(model, fam, report)
+    if isinstance(settings, str):
+        report.skip(f"{type(model).__name__} loss", settings)
+        return
+    _bind(undo, model, causal_lm_forward, settings)
+    report.add("cross_entropy", type(model).__name__, "linear_cross_entropy on hidden states (labels, training)", 1)
+
+
+def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
+          attention: bool = True, cross_entropy: bool = True, swiglu: bool | None = None) -> PatchReport:
+    """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
+
+    Switches turn each replacement off: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias),
+    `rope`, `attention`, `cross_entropy` (the fused linear cross-entropy when called with labels in
+    training mode, returning logits=None). Families: see `kernelkit.patch.families.FAMILIES`. Raises
+    ValueError for a model of no known family, or one already patched.
+    """
+    if swiglu is not None:
+        mlp = swiglu
+    if isinstance(vars(model).get("_kernelkit_patch"), _Patched):
+        raise ValueError("this model is patched already; call kernelkit.unpatch(model) first")
+    fam = find_family(model)
+    report, undo = PatchReport(model=type(model).__name__, family=fam.name), _Undo()
+    try:
+        if rms_norm:
+            _patch_norms(model, fam, report, undo)
+        if mlp:
+            _patch_mlps(model, fam, report, undo)
+        if rope:
+            _patch_rope(model, fam, report, undo)
+        if attention:
+            _patch_attention(model, fam, report, undo)
+        if cross_entropy:
+            _patch_loss(model, fam, report, undo)
+    except BaseException:
+        undo.restore()
+        raise
+    for cls, mods in _instances(model, fam.eager).items():
+        report.skip(f"{cls} x{len(mods)}", "MoE experts stay eager")
+    undo.set(model, "_kernelkit_patch", _Patched(report, undo))
+    return report
+
+
+def unpatch(model: torch.nn.Module) -> PatchReport:
+    """Put back everything `patch` changed on this instance; returns the report of that patch."""
+    state = vars(model).get("_kernelkit_patch")
+    if not isinstance(state, _Patched):
+        raise ValueError("this model is not patched by kernelkit")
+    state.undo.restore()
+    return state.report
+
+
+__all__ = ["patch", "unpatch", "PatchReport", "Replacement", "Family", "FAMILIES"]

@@ -1,0 +1,113 @@
+"""The causal LM forward with the loss from `linear_cross_entropy`: the logits are never materialized.
+
+Bound to one model instance when `kernelkit.patch(model, cross_entropy=True)`. A call with `labels` in
+training mode runs the decoder (`model.model`), then computes Hugging Face's `ForCausalLMLoss` on the
+hidden states with the lm_head's weight: labels padded with `ignore_index` on the right and shifted by
+one (or the caller's `shift_labels`), the hidden states of `logits_to_keep`, the model's
+`final_logit_softcapping`, 'mean' over non-ignored tokens or 'sum' / `num_items_in_batch`, and for MoE
+families the router's load-balancing loss. It returns the model's usual output with ``logits=None``.
+Without labels, or in eval mode (where evaluation loops read the logits, as in Liger), or with a custom
+`loss_function`, the model's own forward runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .modules import CPU_REASON, runs_kernels
+from .report import PatchReport
+
+
+@dataclass
+class LossSettings:
+    names: tuple[str, ...]  # the original forward's positional parameter names, to read args by name
+    router_aux_loss: bool
+    linear_cross_entropy: Callable
+    report: PatchReport
+
+
+def loss_settings(model, family, report: PatchReport) -> LossSettings | str:
+    """Settings for `causal_lm_forward`, or why the model cannot take it."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear) or not hasattr(model, "model"):
+        return "not a causal LM with model.model and an nn.Linear lm_head"
+    if model.loss_function is not ForCausalLMLoss:
+        return "custom loss_function"
+    if "forward" in vars(model):
+        return "forward already replaced on this instance"
+    try:
+        from ..ops.linear_cross_entropy import linear_cross_entropy
+    except ImportError as e:
+        return f"kernelkit.ops.linear_cross_entropy unavailable ({e})"
+    params = inspect.signature(type(model).forward).parameters.values()
+    names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)[1:]  # without self
+    if "labels" not in names:
+        return "forward takes no labels"
+    return LossSettings(names, family.router_aux_loss, linear_cross_entropy, report)
+
+
+def causal_lm_forward(self, *args, **kwargs):
+    kk: LossSettings = self._kernelkit
+    call = dict(zip(kk.names, args))
+    call.update(kwargs)
+    if call.get("labels") is None or not self.training or len(args) > len(kk.names):
+        return type(self).forward(self, *args, **kwargs)
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    weight = self.lm_head.weight
+    reason = (CPU_REASON if not runs_kernels(weight) else
+              "custom loss_function" if self.loss_function is not ForCausalLMLoss else None)
+    if reason is not None:
+        kk.report.fell_back("cross_entropy", reason)
+        return type(self).forward(self, *args, **kwargs)
+    return _fused(self, kk, call)
+
+
+def _fused(model, kk: LossSettings, call: dict):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    labels = call.pop("labels")
+    logits_to_keep = call.pop("logits_to_keep", 0)
+    return_dict = call.pop("return_dict", None)
+    if return_dict is None:  # as @can_return_tuple decides
+        return_dict = getattr(model.config, "return_dict", True)
+    if kk.router_aux_loss and call.get("output_router_logits") is None:
+        call["output_router_logits"] = model.config.output_router_logits
+    outputs = model.model(**call)  # the remaining kwargs go to the decoder, as the model's own forward does
+
+    hidden = outputs.last_hidden_state
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, keep, :]
+    ignore_index = call.get("ignore_index", -100)
+    shift_labels = call.get("shift_labels")
+    if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    num_items = call.get("num_items_in_batch")
+    lm_head = model.lm_head
+    loss = kk.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, shift_labels.reshape(-1).to(hidden.device),
+        lm_head.bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
+        reduction="sum" if num_items is not None else "mean").float()
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+
+    common = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if kk.router_aux_loss:
+        aux_loss = None
+        if call["output_router_logits"]:
+            balance = sys.modules[type(model).__module__].load_balancing_loss_func
+            aux_loss = balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
+                               call.get("attention_mask"))
+            common["loss"] = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+        out = MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
+    else:
+        out = CausalLMOutputWithPast(**common)
+    return out if return_dict else out.to_tuple()

@@ -1,0 +1,145 @@
+"""Replacement forwards bound to one module instance: RMSNorm, gated MLP, and the rope of an attention.
+
+Each forward is a module-level function bound with `types.MethodType` to the instance, its settings in
+the instance's `_kernelkit` attribute: nothing is assigned to a class, a deep copy of a patched model
+rebinds to the copy, and `unpatch` deletes the two attributes. A call that kernelkit cannot run exactly
+(a CPU tensor outside the Triton interpreter, mixed dtypes) runs the class's own forward instead and is
+counted in the report.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..tune import interpreting
+from .report import PatchReport
+
+CPU_REASON = "CPU tensor outside the Triton interpreter"
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether kernelkit's Triton kernels can take `x`: a CUDA tensor, or any tensor in the interpreter."""
+    return x.is_cuda or interpreting()
+
+
+# --- RMSNorm ---
+
+@dataclass
+class NormSettings:
+    offset: float
+    eps_attr: str
+    report: PatchReport
+
+
+def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kk: NormSettings = self._kernelkit
+    w = self.weight
+    if not runs_kernels(x) or w.dtype != x.dtype:
+        # Llama multiplies in the weight's dtype and promotes; Gemma rounds to x's: only equal dtypes agree.
+        kk.report.fell_back("rms_norm", CPU_REASON if not runs_kernels(x) else "weight dtype differs from input")
+        return type(self).forward(self, x)
+    eps = getattr(self, kk.eps_attr)
+    if eps is None:  # torch.nn.RMSNorm's default
+        eps = torch.finfo(x.dtype).eps
+    from ..ops.rms_norm import rms_norm
+
+    return rms_norm(x, w, eps=eps, offset=kk.offset)
+
+
+def norm_settings(module: torch.nn.Module, offset: float, report: PatchReport) -> NormSettings | str:
+    """Settings for `norm_forward`, or why the module cannot take it."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return "no 1-D weight"
+    eps_attr = next((a for a in ("variance_epsilon", "eps") if hasattr(module, a)), None)
+    if eps_attr is None:
+        return "no eps attribute (variance_epsilon / eps)"
+    return NormSettings(offset, eps_attr, report)
+
+
+# --- gated MLP ---
+
+@dataclass
+class MLPSettings:
+    glu: Callable
+    glu_kwargs: dict
+    fused: bool  # gate_up_proj with the gate in the first half (Phi-3) instead of gate_proj + up_proj
+    report: PatchReport
+
+    def describe(self) -> str:
+        args = ["gate_up" if self.fused else "gate, up"] + [f"{k}={v!r}" for k, v in self.glu_kwargs.items()]
+        return f"kernelkit.{self.glu.__name__}({', '.join(args)})"
+
+
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    kk: MLPSettings = self._kernelkit
+    if not runs_kernels(x):
+        kk.report.fell_back("mlp", CPU_REASON)
+        return type(self).forward(self, x)
+    if kk.fused:
+        return self.down_proj(kk.glu(self.gate_up_proj(x), None, **kk.glu_kwargs))
+    return self.down_proj(kk.glu(self.gate_proj(x), self.up_proj(x), **kk.glu_kwargs))
+
+
+def mlp_settings(module: torch.nn.Module, family, activations: dict, report: PatchReport) -> MLPSettings | str:
+    import kernelkit
+
+    act = getattr(module, family.mlp_activation, None)
+    name = type(act).__name__
+    if name not in activations:
+        return f"activation {name} has no kernelkit glu"
+    op, kwargs = activations[name]
+    if isinstance(act, torch.nn.GELU):
+        kwargs = {"approximate": act.approximate}
+    fused = family.mlp_layout == "fused"
+    needed = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    missing = [a for a in needed if not hasattr(module, a)]
+    if missing:
+        return f"no {', '.join(missing)}"
+    return MLPSettings(getattr(kernelkit, op), dict(kwargs), fused, report)
+
+
+# --- rope: the attention forward, its module globals with the rope function swapped ---
+
+def rope_function(original: Callable, report: PatchReport) -> Callable:
+    """kernelkit's stand-in for Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``:
+    per-token cos/sin (B, S, rotary_dim) from the model's rotary module (any rope scaling), q and k
+    (B, H, S, D) (unsqueeze_dim=1) or (B, S, H, D) (unsqueeze_dim=2); partial rotary from cos's width."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad:
+            report.fell_back("rope", CPU_REASON if not runs_kernels(q) else "cos/sin not per-token (B, S, D)")
+            return original(q, k, cos, sin, unsqueeze_dim)
+        from ..ops.rope import rope
+
+        return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
+
+    return apply_rotary_pos_emb
+
+
+def rope_signature_ok(fn: Callable) -> bool:
+    """Whether `fn` has the signature `rope_function` stands in for."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 5 and params[4].name == "unsqueeze_dim"
+
+
+def with_globals(fn: types.FunctionType, replacements: dict) -> types.FunctionType:
+    """`fn` with the same code, defaults and closure, looking its globals up in a copy of its module's
+    namespace where `replacements` are swapped in: the function is the class's own, only the names it
+    calls differ, and neither the class nor the module changes. (Globals rebound in the module after
+    this copy is taken are not seen; Hugging Face modeling files do not rebind theirs.)"""
+    namespace = dict(fn.__globals__)
+    namespace.update(replacements)
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__dict__.update(fn.__dict__)
+    return new

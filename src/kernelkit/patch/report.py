@@ -1,0 +1,72 @@
+"""What `kernelkit.patch` replaced, what it left alone and why, and how often a call fell back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Replacement:
+    kind: str  # "rms_norm", "mlp", "rope", "attention", "cross_entropy"
+    target: str  # the Hugging Face class whose instances (or whose forward) now run kernelkit
+    op: str  # what runs instead
+    count: int
+
+
+@dataclass
+class PatchReport:
+    """Returned by `kernelkit.patch`. `fallbacks` counts, per (kind, reason), the calls that ran the
+    original code because kernelkit cannot compute them exactly (updated at call time)."""
+
+    model: str
+    family: str
+    replaced: list[Replacement] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why)
+    fallbacks: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, kind: str, target: str, op: str, count: int) -> None:
+        if count:
+            self.replaced.append(Replacement(kind, target, op, count))
+
+    def skip(self, what: str, why: str) -> None:
+        self.skipped.append((what, why))
+
+    def fell_back(self, kind: str, reason: str) -> None:
+        key = (kind, reason)
+        self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+
+    def count(self, kind: str) -> int:
+        """How many modules (or forwards) of `kind` were replaced."""
+        return sum(r.count for r in self.replaced if r.kind == kind)
+
+    def fallback_count(self, kind: str | None = None) -> int:
+        return sum(n for (k, _), n in self.fallbacks.items() if kind is None or k == kind)
+
+    def table(self):
+        """A rich Table: one row per replacement, then what was left alone and the fallbacks so far."""
+        from rich.table import Table
+
+        t = Table(title=f"kernelkit.patch: {self.model} ({self.family})")
+        for col, just in (("kind", "left"), ("module", "left"), ("count", "right"), ("now runs", "left")):
+            t.add_column(col, justify=just)
+        for r in self.replaced:
+            t.add_row(r.kind, r.target, str(r.count), r.op)
+        for what, why in self.skipped:
+            t.add_row("left alone", what, "", why, style="dim")
+        for (kind, reason), n in sorted(self.fallbacks.items()):
+            t.add_row("fallback", kind, str(n), reason, style="yellow")
+        return t
+
+    def __rich__(self):
+        return self.table()
+
+    def __str__(self) -> str:
+        rows = [(r.kind, r.target, str(r.count), r.op) for r in self.replaced]
+        rows += [("left alone", what, "", why) for what, why in self.skipped]
+        rows += [("fallback", kind, str(n), reason) for (kind, reason), n in sorted(self.fallbacks.items())]
+        head = ("kind", "module", "count", "now runs")
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+        lines = [f"kernelkit.patch: {self.model} ({self.family})"]
+        for r in [head, *rows]:
+            lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
+        return "\n".join(lines)
