@@ -59,10 +59,10 @@ if has bench; then
 fi
 if has host && [ -d .base/src ]; then
   HOST_OPS=${HOST_OPS:-"rope layer_norm softmax rms_norm add_rms_norm swiglu cross_entropy"}
-  for round in 1 2; do  # interleaved, twice: drift of the host's speed shows up as disagreement between rounds
+  for round in $(seq 1 ${HOST_ROUNDS:-2}); do  # interleaved, twice by default: drift of the host's speed shows up as disagreement between rounds
     for tree in .base/src src; do
       log "host time per call ($tree, round $round)"
-      PYTHONPATH=$PWD/$tree timeout 150 python3 scripts/host_time.py $HOST_OPS 2>&1 | tee -a "$RES/host.log"
+      PYTHONPATH=$PWD/$tree timeout ${HOST_TIMEOUT:-150} python3 scripts/host_time.py $HOST_OPS 2>&1 | tee -a "$RES/host.log"
     done
   done
 fi
@@ -70,7 +70,7 @@ if has flce && [ -f benchmarks/linear_cross_entropy.py ]; then
   log "fused linear cross-entropy"; timeout 420 python3 benchmarks/linear_cross_entropy.py --out "$RES/linear_cross_entropy.json" 2>&1 | tee "$RES/flce.log" | tail -30
 fi
 if has model; then
-  log "bench model"; timeout 590 $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40
+  log "bench model"; timeout ${MODEL_TIMEOUT:-590} $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40
 fi
 if has profile; then
   log "profile --example llama"; $KK profile --example llama --out "$RES/profile" 2>&1 | tee "$RES/profile.log" | tail -60
