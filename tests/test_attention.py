@@ -1,14 +1,19 @@
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernelkit.ops.attention as attn_mod
-from kernelkit.ops import registry
+from kernelkit.ops.attention import forward as fwd_mod
+from kernelkit.ops.attention import tiles as attn_tiles
+from kernelkit.ops import _validate, registry
 from kernelkit.ops.attention import attention, reference
-from kernelkit.testing import check, check_spec
+from kernelkit.ops.attention.tiles import tma_compatible
+from kernelkit.testing import check, check_spec, rel_error
 from kernelkit.testing.graph import compile_as_one_node
 
 SPEC = registry.get("attention")
@@ -91,10 +96,10 @@ def test_packed_variable_length_sequences(kw, device):
 
 @pytest.mark.parametrize("sq,kw", [(1, {}), (5, {"causal": True, "softcap": 3.0}), (16, {"causal": True, "window": 20})])
 def test_split_kv_decoding(sq, kw, device, monkeypatch):
-    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    monkeypatch.setattr(fwd_mod, "DECODE_MIN_SEQ_K", 1)
     calls = []
-    decode = attn_mod._decode
-    monkeypatch.setattr(attn_mod, "_decode", lambda *a: (calls.append(a), decode(*a))[1])
+    decode = fwd_mod._decode
+    monkeypatch.setattr(fwd_mod, "_decode", lambda *a: (calls.append(a), decode(*a))[1])
     q, k, v = _qkv(2, sq, 70, 8, 2, 32, device=device)
     _check(q, k, v, **kw).raise_if_failed()
     assert calls, "the split-KV path was not taken"
@@ -102,7 +107,7 @@ def test_split_kv_decoding(sq, kw, device, monkeypatch):
 
 def test_decoding_splits_into_several_programs(device, monkeypatch):
     # 300 keys, one sequence, one KV head: several splits and a real combine.
-    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    monkeypatch.setattr(fwd_mod, "DECODE_MIN_SEQ_K", 1)
     q, k, v = _qkv(1, 2, 300, 3, 1, 32, device=device)
     _check(q, k, v, grad=False, causal=True).raise_if_failed()
 
@@ -111,10 +116,10 @@ def test_decoding_splits_into_several_programs(device, monkeypatch):
                                 {"cu_seqlens": "packed", "causal": True}, {"decode": True}])
 def test_tensor_descriptor_path_in_the_interpreter(kw, device, monkeypatch):
     # The sm_90 path (TMA tensor descriptors): the interpreter runs it with the same masks and bounds.
-    monkeypatch.setattr(attn_mod, "USE_TMA", True)
+    monkeypatch.setattr(attn_tiles, "USE_TMA", True)
     kw = dict(kw)
     if kw.pop("decode", False):
-        monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+        monkeypatch.setattr(fwd_mod, "DECODE_MIN_SEQ_K", 1)
         q, k, v = _qkv(2, 3, 53, 4, 2, 48, device=device)
     elif kw.get("cu_seqlens") == "packed":
         kw["cu_seqlens"] = torch.tensor([0, 30, 31, 70], dtype=torch.int32, device=device)
@@ -129,6 +134,152 @@ def test_non_contiguous_inputs(device):
     assert not q.is_contiguous()
     _check(q, k, v, causal=True).raise_if_failed()
     _check(q[..., ::1, :], k[:, ::2], v[:, ::2]).raise_if_failed()  # strided sequence
+
+
+# --- layouts: every view a caller can pass is read in place with its strides, or copied; never misread ---
+
+def _layouts(name, b, s, h, d, device, seed=0):
+    """(q, k, v, native) of shape (b, s, h, d) in the named layout, all memory outside the views NaN."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def fill(view):
+        view.copy_(torch.randn(view.shape, generator=gen, device=device))
+        return view
+
+    def nan(*shape):
+        return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+    if name == "qkv_packed":  # q, k, v as slices of one (b, s, 3, h, d) projection, as HF's fused qkv
+        return (*fill(nan(b, s, 3, h, d)).unbind(2), True)
+    if name == "heads_expanded":  # MQA: one KV head broadcast (stride 0) over h query heads' worth
+        q = fill(nan(b, s, h, d))
+        return (q, fill(nan(b, s, 1, d)).expand(b, s, h, d), fill(nan(b, s, 1, d)).expand(b, s, h, d), True)
+    views = []
+    for _ in range(3):
+        if name == "head_dim_slice":
+            x = nan(b, s, h, d + 8)[..., :d]
+        elif name == "transposed":
+            x = nan(b, h, s, d).transpose(1, 2)
+        elif name == "stepped":
+            x = nan(b, 2 * s, h, d)[:, 1::2]
+        elif name == "offset_misaligned":  # 2 bytes off the 16-byte grid
+            x = nan(b * s * h * d + 1)[1:].view(b, s, h, d)
+        elif name == "batch_expanded":
+            x = nan(1, s, h, d).expand(b, s, h, d)
+        elif name == "head_dim_strided":  # head_dim not unit-stride: the one layout that is copied
+            x = nan(b, s, d, h).transpose(2, 3)
+        views.append(fill(x[:1]).expand_as(x) if name == "batch_expanded" else fill(x))
+    return (*views, name != "head_dim_strided")
+
+
+LAYOUTS = ["qkv_packed", "heads_expanded", "head_dim_slice", "transposed", "stepped", "offset_misaligned",
+           "batch_expanded", "head_dim_strided"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_are_read_in_place_or_copied(layout, device):
+    *qkv, native = _layouts(layout, 2, 13, 2, 16, device)
+    before = _validate.copies
+    _check(*qkv, causal=True).raise_if_failed()
+    assert (_validate.copies == before) == native, f"{layout}: {_validate.copies - before} layout copies"
+
+
+@pytest.mark.parametrize("layout", ["qkv_packed", "head_dim_slice", "transposed"])
+def test_layouts_through_tensor_descriptors(layout, device, monkeypatch):
+    monkeypatch.setattr(attn_tiles, "USE_TMA", True)
+    _check(*_layouts(layout, 2, 13, 2, 16, device)[:3], causal=True).raise_if_failed()
+
+
+def test_packed_layouts_and_grad_output_layouts(device):
+    # Packed (tokens, 3, heads, d) projection, and a grad_output that is a row-padded slice (read in
+    # place) or a broadcast of one value (o.sum().backward(): copied).
+    cu = torch.tensor([0, 9, 9, 30], dtype=torch.int32, device=device)
+    qkv = torch.randn(30, 3, 2, 16, dtype=torch.bfloat16, device=device)
+    _check(*qkv.unbind(1), cu_seqlens=cu, max_seqlen=21).raise_if_failed()
+    q, k, v = (x.detach().requires_grad_() for x in _qkv(2, 11, 11, 2, 1, 16, device=device))
+    wide = torch.full((2, 11, 2, 24), float("nan"), dtype=torch.bfloat16, device=device)
+    for do in (wide[..., :16].copy_(torch.randn(2, 11, 2, 16)), torch.tensor(0.5).to(wide).expand(2, 11, 2, 16)):
+        got = torch.autograd.grad(attention(q, k, v, causal=True), (q, k, v), do)
+        qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+        want = torch.autograd.grad(reference(qr, kr, vr, causal=True), (qr, kr, vr), do.double())
+        assert all(rel_error(g, w) < 2e-2 for g, w in zip(got, want))
+
+
+def test_tensor_descriptors_only_for_aligned_bases_and_positive_strides():
+    bf = dict(dtype=torch.bfloat16)
+    x = torch.empty(2, 8, 4, 64, **bf)
+    assert tma_compatible([x, x.transpose(1, 2).contiguous().transpose(1, 2)], varlen=False)
+    assert tma_compatible(torch.empty(2, 8, 3, 4, 64, **bf).unbind(2), varlen=False)  # packed qkv
+    assert tma_compatible([torch.empty(1, 8, 4, 64, **bf).expand(2, 8, 4, 64)], varlen=False)  # batch broadcast
+    assert tma_compatible([torch.empty(2, 8, 4, 72, **bf)[..., :64]], varlen=False)  # 144-byte heads
+    assert not tma_compatible([torch.empty(2, 8, 4, 68, **bf)[..., :64]], varlen=False)  # 136-byte heads
+    assert not tma_compatible([torch.empty(2 * 8 * 4 * 64 + 1, **bf)[1:].view(2, 8, 4, 64)], varlen=False)
+    assert not tma_compatible([torch.empty(2, 8, 1, 64, **bf).expand(2, 8, 4, 64)], varlen=False)  # MQA broadcast
+    assert not tma_compatible([torch.empty(2, 1, 4, 64, **bf).expand(2, 8, 4, 64)], varlen=False)  # rows stride 0
+    assert not tma_compatible([torch.empty(2, 8, 4, 4, **bf)], varlen=False)  # 8-byte head stride
+    assert tma_compatible([torch.empty(30, 4, 64, **bf)], varlen=True)
+    assert not tma_compatible([torch.empty(30 * 4 * 64 + 4, **bf)[4:].view(30, 4, 64)], varlen=True)
+
+
+# --- packed offsets and double backward ---
+
+@pytest.mark.parametrize("offsets", [[0, 5, 30], [0, 25, 10, 40], [3, 20, 40], [0, 5, 40]],
+                         ids=["tail_not_covered", "decreasing", "not_from_zero", "longer_than_max_seqlen"])
+def test_bad_packed_offsets_raise_without_a_host_sync(offsets, device, monkeypatch):
+    if device == "cuda":
+        pytest.skip("on CUDA the check fails the next sync with a device-side assert: test_gpu_bad_packed_offsets")
+    q, k, v = _qkv(None, 40, 40, 2, 2, 16, device=device)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    with monkeypatch.context() as m:  # the device-side check reads nothing back to the host
+        for sync in ("tolist", "item", "__bool__", "__int__"):
+            m.setattr(torch.Tensor, sync, lambda *a: pytest.fail(f"host sync ({sync}) with max_seqlen given"))
+        with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, never decrease, end at total_tokens=40 "
+                                               "and hold no sequence longer than max_seqlen=25"):
+            attention(q, k, v, cu_seqlens=cu, max_seqlen=25)
+    if offsets != [0, 5, 40]:  # without max_seqlen the host reads (and checks) the offsets
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at total_tokens=40"):
+            attention(q, k, v, cu_seqlens=cu)
+
+
+def test_good_packed_offsets_read_nothing_back(device, monkeypatch):
+    q, k, v = _qkv(None, 20, 20, 2, 2, 16, device=device)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    want = attention(q, k, v, cu_seqlens=cu)
+    for sync in ("tolist", "item", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, sync, lambda *a: pytest.fail("host sync with max_seqlen given"))
+    assert torch.equal(attention(q, k, v, cu_seqlens=cu, max_seqlen=13), want)
+
+
+def test_double_backward_differentiates_the_reference(device):
+    # The kernels' gradients carry no graph: under create_graph=True they used to come back as constants,
+    # silently dropping every second-order term.
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 7, 9, 2, 1, 16, "float16", device))
+    o, lse = attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    gen = torch.Generator(device=device).manual_seed(5)
+    do, dlse, u = (torch.randn(t.shape, generator=gen, device=device) for t in (o, lse, q))
+    grads = torch.autograd.grad((o, lse), (q, k, v), (do.to(o.dtype), dlse), create_graph=True)
+    assert all(g.requires_grad for g in grads)
+    second = torch.autograd.grad((grads[0].float() * u).sum() + grads[1].float().square().sum(), (q, k, v))
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_r, lse_r = reference(qr, kr, vr, causal=True, softcap=3.0, return_lse=True)
+    grads_r = torch.autograd.grad((o_r, lse_r), (qr, kr, vr), (do.double(), dlse.double()), create_graph=True)
+    second_r = torch.autograd.grad((grads_r[0] * u.double()).sum() + grads_r[1].square().sum(), (qr, kr, vr))
+    for got, want in zip((*grads, *second), (*grads_r, *second_r)):
+        assert rel_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_meta_inputs_give_meta_outputs(requires_grad, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no kernel runs, on any device
+    q = torch.empty(2, 5, 4, 32, dtype=torch.bfloat16, device="meta", requires_grad=requires_grad)
+    k = torch.empty(2, 7, 2, 32, dtype=torch.bfloat16, device="meta", requires_grad=requires_grad)
+    o, lse = attention(q, k, k, causal=True, return_lse=True)
+    assert o.is_meta and o.shape == q.shape and lse.shape == (2, 4, 5) and o.requires_grad == requires_grad
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    flat = torch.empty(9, 4, 32, dtype=torch.float16, device="meta")
+    assert attention(flat, flat, flat, cu_seqlens=cu, max_seqlen=5).is_meta
+    with pytest.raises(ValueError, match="max_seqlen is needed with meta cu_seqlens"):
+        attention(flat, flat, flat, cu_seqlens=cu)
 
 
 def test_nan_propagates_like_torch(device):
@@ -236,8 +387,8 @@ def test_sm90_compile_of_the_tensor_descriptor_kernels(monkeypatch):
         pytest.skip("records launches through the Triton interpreter")
     from kernelkit.testing import compile_check
 
-    monkeypatch.setattr(attn_mod, "USE_TMA", True)
-    monkeypatch.setattr(attn_mod, "DECODE_MIN_SEQ_K", 1)
+    monkeypatch.setattr(attn_tiles, "USE_TMA", True)
+    monkeypatch.setattr(fwd_mod, "DECODE_MIN_SEQ_K", 1)
     records = []
     with compile_check.record_launches(records):
         q, k, v = (x.requires_grad_() for x in _qkv(1, 40, 40, 2, 1, 128))
@@ -280,6 +431,29 @@ def test_gpu_gqa_varlen_and_decoding():
     for sq in (1, 4, 16):
         _check(*_qkv(4, sq, 8192, 32, 8, 128, "bfloat16", "cuda"), causal=True).raise_if_failed()
     _check(*_qkv(1, 1, 65536, 8, 1, 128, "bfloat16", "cuda"), grad=False).raise_if_failed()
+
+
+@pytest.mark.gpu
+def test_gpu_bad_packed_offsets_fail_the_next_sync():
+    # A device-side assert ends the process's CUDA context: the bad call runs in a child process.
+    code = textwrap.dedent("""
+        import torch
+        from kernelkit.ops.attention import attention
+        q = torch.randn(40, 2, 16, dtype=torch.bfloat16, device="cuda")
+        cu = torch.tensor([0, 5, 30], dtype=torch.int32, device="cuda")  # tokens 30..39 in no sequence
+        attention(q, q, q, cu_seqlens=cu, max_seqlen=25)
+        torch.cuda.synchronize()
+        print("synchronized")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "synchronized" not in r.stdout, r.stdout
+    assert "device-side assert" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_gpu_layouts_take_the_pointer_path_where_tma_cannot_address_them():
+    for layout in LAYOUTS:
+        _check(*_layouts(layout, 2, 300, 4, 64, "cuda")[:3], causal=True).raise_if_failed()
 
 
 @pytest.mark.gpu

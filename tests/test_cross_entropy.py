@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernelkit.ops.cross_entropy as ce
-from kernelkit.ops import registry
+from kernelkit.ops import _validate, registry
 from kernelkit.ops.cross_entropy import cross_entropy, reference
 from kernelkit.testing import check, check_spec, rel_error
+from kernelkit.tune import cdiv
 
 SPEC = registry.get("cross_entropy")
 FEATURES = {
@@ -124,11 +125,152 @@ def test_non_contiguous_and_int32_targets(device):
     _check(x, t, label_smoothing=0.1).raise_if_failed()
 
 
+def _flat(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("kw", [{}, {"reduction": "sum"}, {"reduction": "none"},
+                                {"z_loss": 1e-2, "return_z_loss": True, "label_smoothing": 0.1}])
+def test_loss_is_fp32_whatever_the_logits_dtype(kw, device):
+    # HF's loss is fp32; a bf16 mean (12.625 for a fp32 12.6037) is off by bf16's rounding, ~4e-3.
+    x, t = _inputs(64, 300, device, dtype=torch.bfloat16)
+    got, want = _flat(cross_entropy(x, t, **kw)), _flat(reference(x.double(), t, **kw))
+    assert [g.dtype for g in got] == [torch.float32] * len(got)
+    assert [r.dtype for r in _flat(reference(x, t, **kw))] == [torch.float32] * len(got)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 1e-5
+    x.requires_grad_()
+    assert _flat(cross_entropy(x, t, **kw))[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+@pytest.mark.parametrize("kw", [{"reduction": r, "label_smoothing": ls} for r in ("mean", "sum", "none")
+                                for ls in (0.0, 0.3)], ids=lambda kw: f"{kw['reduction']}-ls{kw['label_smoothing']}")
+def test_class_weights_match_torch_in_float64(kw, grad_in_forward, device):
+    x, t = _inputs(23, 37, device, ignore_index=5)
+    w = torch.rand(37, generator=torch.Generator().manual_seed(1)).to(device) * 2
+    w[[0, 9]] = 0.0
+    _check_against = lambda a, b: F.cross_entropy(a, b, weight=w.double(), ignore_index=5, **kw)  # noqa: E731
+    check(lambda a, b: cross_entropy(a, b, weight=w, ignore_index=5, grad_in_forward=grad_in_forward, **kw),
+          _check_against, (x, t), grad_args=(0,)).raise_if_failed()
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_class_weights_with_every_feature_chunked(grad_in_forward, device, monkeypatch):
+    monkeypatch.setattr(ce, "MAX_BLOCK_V", 256)
+    x, t = _inputs(7, 1100, device, dtype=torch.bfloat16, ignore_index=3)
+    w = (torch.rand(1100, generator=torch.Generator().manual_seed(2)) + 0.5).to(device, torch.bfloat16)
+    kw = dict(FEATURES["all"], reduction="mean", weight=w, grad_in_forward=grad_in_forward, return_z_loss=True)
+    _check(x, t, **kw).raise_if_failed()
+    # The z part is weighted like the rest of the token's loss; int32 targets index the weights alike.
+    torch.testing.assert_close(cross_entropy(x, t.int(), **kw), reference(x, t, **kw), rtol=1e-5, atol=1e-6)
+
+
+def test_no_gradient_for_weight_as_in_torch(device):
+    x, t = _inputs(4, 8, device)
+    x.requires_grad_()
+    loss = cross_entropy(x, t, weight=torch.ones(8, device=device, requires_grad=True))
+    with pytest.raises(NotImplementedError, match="no gradient for `weight`"):
+        loss.backward()
+
+
+def test_options_are_keyword_only(device):
+    # F.cross_entropy(input, target, weight, ...): a positional third argument must not become ignore_index.
+    x, t = _inputs(4, 8, device)
+    for third in (torch.ones(8, device=device), 3):
+        with pytest.raises(TypeError, match="positional"):
+            cross_entropy(x, t, third)
+        with pytest.raises(TypeError, match="positional"):
+            reference(x, t, third)
+
+
+def _logits_layout(name, n, v, device):
+    """(view, native): logits of shape (n, v) in the named layout, every element outside the view
+    poisoned (NaN and 1e30 alternately), and whether the kernels must take it without a copy."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    vals = 2 * torch.randn(n, v, device=device, generator=gen)
+    poison = torch.tensor([float("nan"), 1e30], device=device)
+    if name == "transposed_back":  # column-major: the last dim is not unit-stride
+        return vals.t().contiguous().t(), False
+    if name == "expanded":
+        return vals[:1].expand(n, v), True
+    rows, cols, off = {"row_padded": (n, v + 5, 0), "row_stepped": (2 * n, v, 0), "offset": (n, v, 1),
+                       "col_stepped": (n, 2 * v, 0)}[name]
+    base = poison.repeat(cdiv(rows * cols + off, 2))[:rows * cols + off]
+    grid = base[off:].view(rows, cols)
+    view = {"row_padded": grid[:, :v], "row_stepped": grid[::2], "offset": grid, "col_stepped": grid[:, ::2]}[name]
+    view.copy_(vals)
+    return view, name != "col_stepped"
+
+
+@pytest.mark.parametrize("path", ["no_grad", "grad_in_forward", "recompute"])
+@pytest.mark.parametrize("layout", ["row_padded", "row_stepped", "offset", "expanded", "transposed_back",
+                                    "col_stepped"])
+def test_logits_layouts_read_natively_or_copied(layout, path, device):
+    x, native = _logits_layout(layout, 6, 40, device)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, ignore_index=2)  # smoothing sums every logit of a row
+    if path != "no_grad":
+        kw["grad_in_forward"] = path == "grad_in_forward"
+    t = torch.tensor([1, 2, 39, 0, 17, 2], device=device)
+    before = _validate.copies
+    _check(x, t, grad_args=() if path == "no_grad" else (0,), **kw).raise_if_failed()
+    assert (_validate.copies == before) == native, f"{layout}: {_validate.copies - before} layout copies"
+
+
+@pytest.mark.parametrize("layout", ["stepped", "offset", "expanded"])
+def test_target_layouts(layout, device):
+    x, _ = _inputs(6, 30, device)
+    base = torch.randint(0, 30, (13,), device=device, dtype=torch.int32)
+    t = {"stepped": base[::2][:6], "offset": base[7:], "expanded": base[4:5].expand(6)}[layout]
+    for gif in (True, False):
+        _check(x, t, label_smoothing=0.1, grad_in_forward=gif).raise_if_failed()
+        _check(x, t, label_smoothing=0.1, grad_in_forward=gif, reduction="none").raise_if_failed()
+
+
+def test_double_backward_differentiates_the_reference(device):
+    # once_differentiable handed back a gradient with no graph when grad_output did not require grad
+    # (loss.backward(create_graph=True)): the second-order term was silently zero.
+    x, t = _inputs(6, 30, device)
+    kw = dict(label_smoothing=0.1, z_loss=1e-2, softcap=4.0, weight=torch.rand(30, device=device) + 0.5)
+    xx = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(cross_entropy(xx, t, grad_in_forward=False, **kw), xx, create_graph=True)
+    assert g.requires_grad
+    u = torch.randn_like(x)
+    (hu,) = torch.autograd.grad((g * u).sum(), xx)
+    xr = x.double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference(xr, t, **kw), xr, create_graph=True)
+    (hur,) = torch.autograd.grad((gr * u.double()).sum(), xr)
+    assert rel_error(g, gr) < 1e-5 and rel_error(hu, hur) < 1e-5
+
+
+def test_double_backward_with_grad_in_forward_raises(device):
+    x, t = _inputs(6, 30, device)
+    x.requires_grad_()
+    loss = cross_entropy(x, t, grad_in_forward=True)
+    with pytest.raises(RuntimeError, match="kernelkit.cross_entropy has no double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_meta_inputs_give_meta_outputs(requires_grad, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no kernel runs, on any device
+    x = torch.empty(5, 11, device="meta", dtype=torch.bfloat16, requires_grad=requires_grad)
+    t = torch.empty(5, dtype=torch.long, device="meta")
+    w = torch.empty(11, device="meta")
+    for reduction, shape in (("mean", ()), ("none", (5,))):
+        out = cross_entropy(x, t, weight=w, reduction=reduction)
+        assert out.is_meta and out.shape == shape and out.dtype == torch.float32
+        assert out.requires_grad == requires_grad
+    assert ce.CrossEntropyLoss(weight=w)(x, t).is_meta
+    with pytest.raises(ValueError, match="target must have shape"):
+        cross_entropy(x, t[:3])
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty_and_all_ignored(reduction, device):
     x = torch.randn(0, 64, device=device, requires_grad=True)
     out = cross_entropy(x, torch.zeros(0, dtype=torch.long, device=device), reduction=reduction)
-    want = F.cross_entropy(x.detach(), torch.zeros(0, dtype=torch.long), reduction=reduction)
+    want = F.cross_entropy(x.detach(), torch.zeros(0, dtype=torch.long, device=device), reduction=reduction)
     assert out.shape == want.shape and torch.equal(out.isnan(), want.isnan())
     # Every token ignored: 'mean' is 0/0 = NaN like torch; the gradient is zero.
     x = torch.randn(4, 64, device=device, requires_grad=True)
@@ -171,8 +313,13 @@ def test_out_of_range_target_on_gpu_path_gives_nan_row(device, monkeypatch):
     (dict(softcap=0.0), "softcap must be"),
     (dict(z_loss=-1.0), "z_loss must be"),
     (dict(ignore_index=1.0), "ignore_index must be an int"),
+    (dict(weight=torch.ones(7)), r"weight must have shape \(8,\), one weight per class"),
+    (dict(weight=torch.ones(8, dtype=torch.long)), "weight has dtype int64"),
 ])
 def test_bad_input_names_the_argument(bad, match, device):
+    if "class index" in match and device == "cuda":
+        pytest.skip("checked where it is free, on CPU tensors (test_gpu_out_of_range_target_gives_nan)")
+    bad = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in bad.items()}
     x = bad.pop("x", torch.ones(4, 8)).to(device)
     t = bad.pop("t", torch.zeros(4, dtype=torch.long)).to(device)
     with pytest.raises((TypeError, ValueError), match=match):
@@ -185,22 +332,36 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
         cross_entropy(torch.ones(2, 8), torch.zeros(2, dtype=torch.long))
 
 
-def test_module_matches_torch(device):
-    ref = torch.nn.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1)
-    ours = ce.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_module_runs_the_kernel_and_matches_torch(weighted, device, monkeypatch):
+    launched = []
+    real = ce.launch
+    monkeypatch.setattr(ce, "launch", lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
+    w = torch.rand(45, device=device) + 0.5 if weighted else None
+    ref = torch.nn.CrossEntropyLoss(weight=w, ignore_index=3, label_smoothing=0.1)
+    ours = ce.CrossEntropyLoss(weight=w, ignore_index=3, label_smoothing=0.1)
     ours.load_state_dict(ref.state_dict())
-    x, t = _inputs(17, 45, device)
-    torch.testing.assert_close(ours(x, t).cpu(), ref(x.cpu(), t.cpu()), rtol=1e-5, atol=1e-6)
+    x, t = _inputs(17, 45, device, ignore_index=3)
+    x.requires_grad_()
+    got = ours(x, t)
+    got.backward()
+    assert launched.count(ce.cross_entropy_fwd_kernel) == 1, "the module did not run the kernel"
+    xr = x.detach().double().requires_grad_()
+    ref.double()(xr, t).backward()
+    torch.testing.assert_close(got.double(), ref(xr, t).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_custom_op_is_registered_and_compiles_without_graph_breaks(device):
     x, t = _inputs(5, 40, device)
     for gif in (False, True):
-        torch.library.opcheck(torch.ops.kernelkit.cross_entropy.default, (x, t, -100, 0.1, 1e-3, 4.0, "mean", gif),
-                              test_utils=("test_schema", "test_faketensor"))
+        for w in (None, torch.rand(40, device=device)):
+            args = (x, t, w, -100, 0.1, 1e-3, 4.0, "mean", gif)
+            torch.library.opcheck(torch.ops.kernelkit.cross_entropy.default, args,
+                                  test_utils=("test_schema", "test_faketensor"))
     lse = torch.logsumexp(x, -1)
     torch.library.opcheck(torch.ops.kernelkit.cross_entropy_bwd.default,
-                          (torch.tensor(2.0, device=device), x, t, lse, -100, 0.1, 1e-3, 4.0, "mean", False),
+                          (torch.tensor(2.0, device=device), x, t, lse, None, -100, 0.1, 1e-3, 4.0, "mean", False),
                           test_utils=("test_schema", "test_faketensor"))
     graphs = []
 
@@ -260,6 +421,14 @@ def test_gpu_features_at_llm_vocab(feature):
     kw = FEATURES[feature]
     x, t = _inputs(512, 128256, "cuda", dtype=torch.bfloat16, ignore_index=kw.get("ignore_index", -100))
     _check(x, t, **kw).raise_if_failed()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_gpu_class_weights_at_llm_vocab(grad_in_forward):
+    x, t = _inputs(512, 128256, "cuda", dtype=torch.bfloat16)
+    w = torch.rand(128256, device="cuda") + 0.5
+    _check(x, t, weight=w, label_smoothing=0.1, z_loss=1e-4, grad_in_forward=grad_in_forward).raise_if_failed()
 
 
 @pytest.mark.gpu

@@ -2,8 +2,9 @@
 
 A row of LM logits (V = 128256 at bf16 is 256 KB) does not fit in one program's registers, so the
 forward sweeps the row in BLOCK_V chunks keeping a running max and a rescaled sum of exponentials in
-fp32 (the online softmax). With label smoothing, z-loss (z * lse² per token) and a logit softcap
-(softcap * tanh(x / softcap), applied before the softmax) fused into the same sweep.
+fp32 (the online softmax). With label smoothing, class weights (torch's weighted definition, see
+`cross_entropy`), z-loss (z * lse² per token) and a logit softcap (softcap * tanh(x / softcap), applied
+before the softmax) fused into the same sweep. Losses are fp32 whatever the logits' dtype.
 
 The bytes argument. Ideal traffic is one read of the logits for the forward and one read of the
 logits plus one write of dlogits for the backward: 3 N·V·esize when the two run as separate ops
@@ -20,6 +21,7 @@ softmax from the saved lse: 3 N·V·esize).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -27,12 +29,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, interpreting, launch, next_pow2, num_sms
 from . import _validate
+from ._dispatch import differentiable_backward, dispatch, reference_vjp, traced, wants_grad
 from .registry import OpSpec, optional_import, register
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -78,12 +80,19 @@ def _load_chunk(x_row, cols, mask, KEEP_IN_L2: tl.constexpr):
 
 
 @triton.jit
-def _write_grad_row(x_row, d_row, t, valid, lse, scale, V, label_smoothing, z2, softcap, inv_softcap,
-                    HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """d_row = scale * (softmax(s) * (1 + 2 z lse) - eps / V - (1 - eps) onehot(t)) * ds/dx, zero if ignored."""
-    z_coef = scale * z2 * lse
+def _write_grad_row(x_row, d_row, w_row, t, valid, lse, scale, w_t, w_sum, V, label_smoothing, z2, softcap,
+                    inv_softcap, HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """d_row = scale * (softmax(s) * (1 + 2 z lse) - eps / V - (1 - eps) onehot(t)) * ds/dx, zero if ignored.
+
+    With class weights w (w_t the target's, W their sum; torch's smoothing term is eps / V * sum_c w_c
+    (lse - s_c)): scale * (p * ((1 - eps) w_t + eps W / V + 2 z lse w_t) - eps w_c / V - (1 - eps) w_t onehot(t))."""
+    z_coef = scale * z2 * lse * w_t
     smooth = scale * label_smoothing / V
-    hit = scale * (1.0 - label_smoothing)
+    hit = scale * (1.0 - label_smoothing) * w_t
+    p_coef = scale
+    if HAS_WEIGHT:
+        p_coef = scale * ((1.0 - label_smoothing) * w_t + label_smoothing / V * w_sum)
     n_chunks = tl.cdiv(V, BLOCK_V)
     for i in range(0, n_chunks):
         if REVERSE:  # back to front: the chunks the first sweep read last are still in L2
@@ -95,7 +104,11 @@ def _write_grad_row(x_row, d_row, t, valid, lse, scale, V, label_smoothing, z2, 
         x = tl.load(x_row + cols, mask=in_row & valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
         s = _softcap(x, softcap, inv_softcap, HAS_SOFTCAP)
         p = tl.exp(s - lse)
-        g = p * scale - smooth - tl.where(cols == t, hit, 0.0)
+        if HAS_WEIGHT:  # the weights (V fp32, shared by every row) stay in L2
+            g = p * p_coef - smooth * tl.load(w_row + cols, mask=in_row & valid, other=0.0)
+        else:
+            g = p * p_coef - smooth
+        g -= tl.where(cols == t, hit, 0.0)
         if HAS_Z:  # added after p - 1 so that a near-one-hot row keeps the small z term exact
             g += p * z_coef
         if HAS_SOFTCAP:
@@ -105,14 +118,28 @@ def _write_grad_row(x_row, d_row, t, valid, lse, scale, V, label_smoothing, z2, 
         tl.store(d_row + cols, g.to(d_row.dtype.element_ty), mask=in_row, eviction_policy="evict_first")
 
 
-@autotune(FWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_Z", "COMPUTE_GRAD", "MEAN"],
+@triton.jit
+def _target_weight(WEIGHT, t, V, ok, HAS_WEIGHT: tl.constexpr):
+    """(w_t, W): the target's class weight and the sum of all of them (stored after the V weights);
+    (1, 0) without weights, where neither is read."""
+    if HAS_WEIGHT:
+        return tl.load(WEIGHT + t, mask=ok, other=0.0), tl.load(WEIGHT + V)
+    else:
+        return 1.0, 0.0
+
+
+# WEIGHT and HAS_WEIGHT come last, with defaults, so that callers launching these kernels without class
+# weights (ops/linear_cross_entropy.py) keep their positional arguments.
+@autotune(FWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_Z", "COMPUTE_GRAD", "MEAN",
+                            "HAS_WEIGHT"],
           prune_configs_by={"early_config_prune": _prune_warps})
 @triton.jit
 def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, stride_l, stride_d, N, V,
                              ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
                              MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                              HAS_Z: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                             PROGRAMS_PER_SM: tl.constexpr, L2_HINT: tl.constexpr):
+                             PROGRAMS_PER_SM: tl.constexpr, L2_HINT: tl.constexpr, WEIGHT=None,
+                             HAS_WEIGHT: tl.constexpr = False):
     scale = 1.0
     if MEAN:
         if COMPUTE_GRAD:
@@ -124,6 +151,7 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
         # traffic), their loss and gradient are selected to zero.
         valid = t != ignore_index
         in_range = (t >= 0) & (t < V)
+        w_t, w_sum = _target_weight(WEIGHT, t, V, valid & in_range, HAS_WEIGHT)
         x_row = LOGITS + r64 * stride_l
         m = tl.full((), float("-inf"), tl.float32)
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -147,33 +175,42 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
             acc = acc * tl.exp(m - m_ref) + tl.exp(s - m_ref)
             m = m_new
             if HAS_SMOOTHING:
-                sum_s += tl.where(mask, s, 0.0)
+                if HAS_WEIGHT:
+                    sum_s += tl.where(mask, s * tl.load(WEIGHT + cols, mask=mask, other=0.0), 0.0)
+                else:
+                    sum_s += tl.where(mask, s, 0.0)
         lse = m + tl.log(tl.sum(acc, axis=0))
         # A class index outside [0, V) other than ignore_index gives its row a NaN loss and gradient.
         lse = tl.where(in_range | (t == ignore_index), lse, float("nan"))
         s_t = _softcap(tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32),
                        softcap, inv_softcap, HAS_SOFTCAP)
-        loss = lse - (1.0 - label_smoothing) * s_t
-        if HAS_SMOOTHING:
-            loss -= label_smoothing / V * tl.sum(sum_s, axis=0)
+        if HAS_WEIGHT:  # torch: (1 - eps) w_t (lse - s_t) + eps / V * sum_c w_c (lse - s_c)
+            loss = (1.0 - label_smoothing) * w_t * (lse - s_t)
+            if HAS_SMOOTHING:
+                loss += label_smoothing / V * (w_sum * lse - tl.sum(sum_s, axis=0))
+        else:
+            loss = lse - (1.0 - label_smoothing) * s_t
+            if HAS_SMOOTHING:
+                loss -= label_smoothing / V * tl.sum(sum_s, axis=0)
         if HAS_Z:
-            zl = z_loss * lse * lse
+            zl = z_loss * lse * lse * w_t
             loss += zl
             tl.store(ZLOSS + r64, tl.where(valid, zl, 0.0))
         tl.store(LOSS + r64, tl.where(valid, loss, 0.0))
         tl.store(LSE + r64, lse)
         if COMPUTE_GRAD:
-            _write_grad_row(x_row, DLOGITS + r64 * stride_d, t.to(tl.int32), valid, lse, scale, V, label_smoothing,
-                            2.0 * z_loss, softcap, inv_softcap, HAS_SOFTCAP, HAS_Z, True, BLOCK_V)
+            _write_grad_row(x_row, DLOGITS + r64 * stride_d, WEIGHT, t.to(tl.int32), valid, lse, scale, w_t, w_sum,
+                            V, label_smoothing, 2.0 * z_loss, softcap, inv_softcap, HAS_SOFTCAP, HAS_Z, HAS_WEIGHT,
+                            True, BLOCK_V)
 
 
-@autotune(BWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_Z", "MEAN"],
+@autotune(BWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_Z", "MEAN", "HAS_WEIGHT"],
           prune_configs_by={"early_config_prune": _prune_warps})
 @triton.jit
 def cross_entropy_bwd_kernel(LOGITS, TARGET, LSE, GRAD, COUNT, DLOGITS, stride_l, stride_d, stride_g, N, V,
                              ignore_index, label_smoothing, z2, softcap, inv_softcap, MEAN: tl.constexpr,
                              HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_V: tl.constexpr,
-                             PROGRAMS_PER_SM: tl.constexpr):
+                             PROGRAMS_PER_SM: tl.constexpr, WEIGHT=None, HAS_WEIGHT: tl.constexpr = False):
     """The recompute backward: one read of the logits, softmax rebuilt from the saved lse."""
     inv_count = 1.0
     if MEAN:
@@ -182,10 +219,12 @@ def cross_entropy_bwd_kernel(LOGITS, TARGET, LSE, GRAD, COUNT, DLOGITS, stride_l
         r64 = tl.cast(row, tl.int64)
         t = tl.load(TARGET + r64).to(tl.int64)
         scale = tl.load(GRAD + r64 * stride_g).to(tl.float32) * inv_count
+        valid = t != ignore_index
+        w_t, w_sum = _target_weight(WEIGHT, t, V, valid & (t >= 0) & (t < V), HAS_WEIGHT)
         # An out-of-range t has a NaN lse, so truncating it to int32 for the one-hot compare is harmless.
-        _write_grad_row(LOGITS + r64 * stride_l, DLOGITS + r64 * stride_d, t.to(tl.int32), t != ignore_index,
-                        tl.load(LSE + r64), scale, V, label_smoothing, z2, softcap, inv_softcap,
-                        HAS_SOFTCAP, HAS_Z, False, BLOCK_V)
+        _write_grad_row(LOGITS + r64 * stride_l, DLOGITS + r64 * stride_d, WEIGHT, t.to(tl.int32), valid,
+                        tl.load(LSE + r64), scale, w_t, w_sum, V, label_smoothing, z2, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_Z, HAS_WEIGHT, False, BLOCK_V)
 
 
 @triton.jit
@@ -239,8 +278,14 @@ def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction):
     return ignore_index, float(label_smoothing), float(z_loss), (None if softcap is None else float(softcap)), reduction
 
 
-def _check_tensors(logits, target):
-    _validate.tensor(logits, "logits")
+def _float_tensor(x, name):
+    if isinstance(x, torch.Tensor) and x.is_meta and x.dtype in _validate.FLOAT_DTYPES:
+        return x  # a meta call runs no kernel: only shapes and dtypes matter
+    return _validate.tensor(x, name)
+
+
+def _check_tensors(logits, target, weight=None):
+    _float_tensor(logits, "logits")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (N, V), got shape {tuple(logits.shape)}; flatten (B, T, V) "
                          f"logits with logits.view(-1, V) and targets with target.view(-1)")
@@ -256,6 +301,12 @@ def _check_tensors(logits, target):
     _validate.same_device(target, "target", logits, "logits")
     if v == 0 and n > 0:
         raise ValueError("logits has V = 0 classes; cross-entropy needs at least one")
+    if weight is not None:
+        _float_tensor(weight, "weight")
+        if weight.shape != (v,):
+            raise ValueError(f"weight must have shape ({v},), one weight per class of logits (N, V) = "
+                             f"{tuple(logits.shape)}, got {tuple(weight.shape)}")
+        _validate.same_device(weight, "weight", logits, "logits")
 
 
 def _check_target_values(target, v, ignore_index):
@@ -268,60 +319,87 @@ def _check_target_values(target, v, ignore_index):
                              f"(and not ignore_index={ignore_index})")
 
 
-def _reduce(rows: torch.Tensor, count: torch.Tensor, reduction: str, dtype) -> torch.Tensor:
+def _weights(weight, v):
+    """The class weights as the kernels read them: V fp32 values, then their sum (torch's smoothing
+    term needs it). A tiny copy, so any float dtype and layout of `weight` is taken."""
+    if weight is None:
+        return None
+    w = weight.detach().to(torch.float32)
+    return torch.cat([w, w.sum().reshape(1)])
+
+
+def _count(t, wbuf, v, ignore_index):
+    """What 'mean' divides by: the non-ignored tokens, or (with class weights, as torch) their weights' sum."""
+    valid = t != ignore_index
+    if wbuf is None:
+        return valid.sum()
+    return torch.where(valid, wbuf[torch.where(valid & (t >= 0) & (t < v), t, 0)], 0.0).sum()
+
+
+def _weight_kwargs(flags, wbuf):
+    # Only when weighted, so that an unweighted launch keeps the cache key that ops/linear_cross_entropy.py
+    # shares and the lean launch path (a tensor passed by keyword takes Triton's own launch path).
+    if wbuf is None:
+        return {}
+    flags["HAS_WEIGHT"] = True
+    return {"WEIGHT": wbuf}
+
+
+def _reduce(rows: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
-        return rows.to(dtype)
+        return rows
     total = rows.sum()
-    return (total / count if reduction == "mean" else total).to(dtype)
+    return total / count if reduction == "mean" else total
 
 
-def cross_entropy_fwd(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+def cross_entropy_fwd(logits, target, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
                       reduction="mean", grad_in_forward=False):
-    """Launch the forward. Returns (loss, z_loss, lse, dlogits): loss and z_loss in logits' dtype
-    (0-dim, or (N,) for reduction='none'), lse (N,) fp32, dlogits (N, V) when grad_in_forward else (0,)."""
-    _check_tensors(logits, target)
+    """Launch the forward. Returns (loss, z_loss, lse, dlogits): loss and z_loss fp32 (0-dim, or (N,) for
+    reduction='none'), lse (N,) fp32, dlogits (N, V) in logits' dtype when grad_in_forward else (0,).
+    Logits are read with their row stride (a row-padded or row-sliced view is not copied)."""
+    _check_tensors(logits, target, weight)
     ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
         ignore_index, label_smoothing, z_loss, softcap, reduction)
     n, v = logits.shape
     _check_target_values(target, v, ignore_index)
-    x = _validate.rows_2d(logits, v)
-    t = target.contiguous()
+    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), _weights(weight, v)
     loss_rows = empty((n,), dtype=torch.float32, device=logits.device)
     lse = empty((n,), dtype=torch.float32, device=logits.device)
     z_rows = empty((n,), dtype=torch.float32, device=logits.device) if z_loss else None
     dlogits = empty((n, v), dtype=logits.dtype, device=logits.device) if grad_in_forward else logits.new_empty(0)
-    count = (t != ignore_index).sum() if reduction == "mean" else t
+    count = _count(t, wbuf, v, ignore_index) if reduction == "mean" else t
     if n:
         block, sms = _block_v(v), num_sms(logits.device)
         grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
         flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                      HAS_Z=bool(z_loss), COMPUTE_GRAD=bool(grad_in_forward), BLOCK_V=block)
+        weighted = _weight_kwargs(flags, wbuf)
         launch(cross_entropy_fwd_kernel, grid, (v, logits.dtype, *flags.values()),
                x, t, count, loss_rows, z_rows if z_loss else loss_rows, lse, dlogits if grad_in_forward else x,
                x.stride(0), v, n, v, ignore_index, label_smoothing, z_loss, softcap or 1.0,
-               1.0 / (softcap or 1.0), **flags)
-    loss = _reduce(loss_rows, count, reduction, logits.dtype)
-    zl = (_reduce(z_rows, count, reduction, logits.dtype) if z_loss
-          else torch.zeros(loss.shape, dtype=logits.dtype, device=logits.device))
+               1.0 / (softcap or 1.0), **flags, **weighted)
+    loss = _reduce(loss_rows, count, reduction)
+    zl = _reduce(z_rows, count, reduction) if z_loss else torch.zeros(loss.shape, device=logits.device)
     return loss, zl, lse, dlogits
 
 
-def cross_entropy_bwd(grad, logits, target, lse, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+def cross_entropy_bwd(grad, logits, target, lse, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                       softcap=None, reduction="mean"):
     """The recompute backward: dlogits (N, V) in logits' dtype from the logits and the saved lse."""
     n, v = logits.shape
-    x, t = _validate.rows_2d(logits, v), target.contiguous()
+    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), _weights(weight, v)
     dx = empty((n, v), dtype=logits.dtype, device=logits.device)
     if not dx.numel():
         return dx
-    count = (t != ignore_index).sum() if reduction == "mean" else t
+    count = _count(t, wbuf, v, ignore_index) if reduction == "mean" else t
     stride_g = grad.stride(0) if grad.dim() else 0
     block, sms = _block_v(v), num_sms(logits.device)
     grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
     flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
+    weighted = _weight_kwargs(flags, wbuf)
     launch(cross_entropy_bwd_kernel, grid, (v, logits.dtype, grad.dtype, *flags.values()),
            x, t, lse, grad, count, dx, x.stride(0), v, stride_g, n, v, ignore_index, label_smoothing,
-           2.0 * z_loss, softcap or 1.0, 1.0 / (softcap or 1.0), **flags)
+           2.0 * z_loss, softcap or 1.0, 1.0 / (softcap or 1.0), **flags, **weighted)
     return dx
 
 
@@ -334,137 +412,167 @@ def scale_grad(dlogits, grad, target, ignore_index=-100, applied=None, in_place=
         return out
     stride = lambda a: a.stride(0) if a is not None and a.dim() else 0  # noqa: E731
     launch(cross_entropy_grad_scale_kernel, (n,), None,
-           dlogits, out, grad, applied if applied is not None else grad, target.contiguous(), dlogits.stride(0),
-           out.stride(0), stride(grad), stride(applied), v, ignore_index, HAS_APPLIED=applied is not None,
-           IN_PLACE=in_place, BLOCK_V=_block_v(v), num_warps=8)
+           dlogits, out, grad, applied if applied is not None else grad, _validate.unit_last(target),
+           dlogits.stride(0), out.stride(0), stride(grad), stride(applied), v, ignore_index,
+           HAS_APPLIED=applied is not None, IN_PLACE=in_place, BLOCK_V=_block_v(v), num_warps=8)
     return out
 
 
 # --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
 
 @torch.library.custom_op("kernelkit::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-                      z_loss: float, softcap: Optional[float], reduction: str, grad_in_forward: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                      label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
+                      grad_in_forward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
                              grad_in_forward)
 
 
 @_cross_entropy_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
-    _check_tensors(logits, target)
+def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+    _check_tensors(logits, target, weight)
     _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction)
     n, v = logits.shape
     shape = (n,) if reduction == "none" else ()
-    return (logits.new_empty(shape), logits.new_empty(shape), logits.new_empty((n,), dtype=torch.float32),
+    f32 = torch.float32
+    return (logits.new_empty(shape, dtype=f32), logits.new_empty(shape, dtype=f32), logits.new_empty((n,), dtype=f32),
             logits.new_empty((n, v) if grad_in_forward else (0,)))
 
 
 @torch.library.custom_op("kernelkit::cross_entropy_bwd", mutates_args=())
 def _cross_entropy_bwd_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                          ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                          reduction: str, grad_in_forward: bool) -> torch.Tensor:
+                          weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
+                          softcap: Optional[float], reduction: str, grad_in_forward: bool) -> torch.Tensor:
     # With grad_in_forward, `logits` holds the saved dlogits; a functional graph cannot scale it in place.
     if grad_in_forward:
         return scale_grad(logits, grad, target, ignore_index)
-    return cross_entropy_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    return cross_entropy_bwd(grad, logits, target, lse, weight, ignore_index, label_smoothing, z_loss, softcap,
+                             reduction)
 
 
 @_cross_entropy_bwd_op.register_fake
-def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+def _(grad, logits, target, lse, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
     return logits.new_empty(logits.shape)
 
 
+def _no_weight_grad(ctx):
+    if ctx.needs_input_grad[2]:  # as torch's: F.cross_entropy has no derivative for weight either
+        raise NotImplementedError("kernelkit.cross_entropy has no gradient for `weight`: pass the class weights "
+                                  "detached (torch.nn.functional.cross_entropy has none either)")
+
+
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward = inputs
+    logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward = inputs
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(output[3] if grad_in_forward else logits, target, output[2])
+    ctx.save_for_backward(output[3] if grad_in_forward else logits, target, output[2], weight)
     ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward)
 
 
 def _backward(ctx, dloss, _dz, _dlse, _ddlogits):
-    saved, target, lse = ctx.saved_tensors
-    return (_cross_entropy_bwd_op(dloss, saved, target, lse, *ctx.args),) + (None,) * 7
+    _no_weight_grad(ctx)
+    saved, target, lse, weight = ctx.saved_tensors
+    return (_cross_entropy_bwd_op(dloss, saved, target, lse, weight, *ctx.args),) + (None,) * 8
 
 
 _cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _double_backward(ctx, dloss, _dz):
+    """create_graph=True: the gradient of the PyTorch reference, differentiable (needs the saved logits)."""
+    _no_weight_grad(ctx)
+    if ctx.grad_in_forward:
+        raise RuntimeError("kernelkit.cross_entropy has no double backward with grad_in_forward=True (the forward "
+                           "kept dlogits, not the logits): call it with grad_in_forward=False for create_graph=True")
+    logits, target, _, weight = ctx.saved_tensors
+    ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.args
+    ref = functools.partial(reference, target=target, weight=weight, ignore_index=ignore_index,
+                            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction)
+    return reference_vjp(ref, (logits,), (dloss,), 9)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     """The eager path, where the grad_in_forward backward can scale the saved dlogits in place."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
-        loss, zl, lse, dlogits = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                                                   reduction, grad_in_forward)
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                grad_in_forward):
+        loss, zl, lse, dlogits = cross_entropy_fwd(logits, target, weight, ignore_index, label_smoothing, z_loss,
+                                                   softcap, reduction, grad_in_forward)
         ctx.mark_non_differentiable(zl)
         ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
         ctx.grad_in_forward, ctx.applied = grad_in_forward, None
-        ctx.save_for_backward(*((dlogits, target) if grad_in_forward else (logits, target, lse)))
+        ctx.save_for_backward(*((dlogits, target, None, weight) if grad_in_forward else (logits, target, lse, weight)))
         return loss, zl
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @differentiable_backward(lambda ctx, dloss, dz: _double_backward(ctx, dloss, dz), "cross_entropy")
     def backward(ctx, dloss, _dz):
+        _no_weight_grad(ctx)
         ignore_index = ctx.args[0]
         if not ctx.grad_in_forward:
-            logits, target, lse = ctx.saved_tensors
-            return (cross_entropy_bwd(dloss, logits, target, lse, *ctx.args),) + (None,) * 7
-        dlogits, target = ctx.saved_tensors
+            logits, target, lse, weight = ctx.saved_tensors
+            return (cross_entropy_bwd(dloss, logits, target, lse, weight, *ctx.args),) + (None,) * 8
+        dlogits, target, _, _ = ctx.saved_tensors
         if ctx.applied is None:
             # First backward: scale the saved gradient in place and hand over that buffer.
             ctx.applied = dloss.detach().to(torch.float32, copy=True).contiguous()
-            return (scale_grad(dlogits, dloss, target, ignore_index, in_place=True),) + (None,) * 7
+            return (scale_grad(dlogits, dloss, target, ignore_index, in_place=True),) + (None,) * 8
         # Again through a retained graph: the buffer (and the gradient handed out before) holds
         # dlogits * first grad_output; divide that out into a fresh buffer. Exact unless the first
         # grad_output was 0 or non-finite, which gives NaN here.
-        return (scale_grad(dlogits, dloss, target, ignore_index, applied=ctx.applied),) + (None,) * 7
+        return (scale_grad(dlogits, dloss, target, ignore_index, applied=ctx.applied),) + (None,) * 8
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
-                  reduction: str = "mean", *, return_z_loss: bool = False,
+def _loss_and_z(out):
+    return out[0], out[1]
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
+                  ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None, reduction: str = "mean", return_z_loss: bool = False,
                   grad_in_forward: Optional[bool] = None):
     """Cross-entropy of logits (N, V) against class indices target (N,), like ``F.cross_entropy``.
 
-    logits: float32, bfloat16 or float16, any strides; target: int64 (or int32), with ``ignore_index``
-    marking tokens that get zero loss and gradient. Fused in one kernel, fp32 throughout:
-    ``softcap`` (``softcap * tanh(logits / softcap)`` before the softmax, differentiated through),
-    ``label_smoothing`` (torch's definition), and ``z_loss`` (``z_loss * lse²`` added per token).
-    reduction 'mean' averages over non-ignored tokens (NaN when there are none, like torch), 'sum'
-    adds, 'none' gives (N,). The loss is in logits' dtype. With ``return_z_loss`` returns
-    (loss, z_part), z_part the z-loss share reduced the same way, for logging (no gradient).
-    A class index outside [0, V) raises on CPU inputs; on the GPU (where checking costs a sync)
-    it gives that token a NaN loss and gradient.
+    logits: float32, bfloat16 or float16, any strides (rows are read with their stride; a view whose
+    last dim is not unit-stride is copied); target: int64 (or int32), any strides, with ``ignore_index``
+    marking tokens that get zero loss and gradient. Every option is keyword-only (F.cross_entropy's third
+    positional argument is ``weight``: a positional slip must not land elsewhere). Fused in one kernel,
+    fp32 throughout: ``weight`` (V,) class weights with torch's semantics (a token's loss and gradient
+    scaled by its target's weight, 'mean' divided by the weights' sum over non-ignored tokens, and with
+    ``label_smoothing`` the smoothing term ``eps / V * sum_c w_c (lse - s_c)``), ``softcap``
+    (``softcap * tanh(logits / softcap)`` before the softmax, differentiated through), ``label_smoothing``
+    (torch's definition), and ``z_loss`` (``z_loss * lse²`` added per token, times its weight if any).
+    reduction 'mean' averages over non-ignored tokens (NaN when there are none, like torch), 'sum' adds,
+    'none' gives (N,). The loss is fp32 whatever the logits' dtype, per-token losses included (as HF's
+    loss on upcast logits; torch's F.cross_entropy on bf16 logits rounds to bf16). With
+    ``return_z_loss`` returns (loss, z_part), z_part the z-loss share reduced the same way, for logging
+    (no gradient). A class index outside [0, V) raises on CPU inputs; on the GPU (where checking costs
+    a sync) it gives that token a NaN loss and gradient. No gradient for ``weight`` (as torch).
 
     ``grad_in_forward`` (default: when logits need a gradient and reduction is not 'none') writes
     dlogits during the forward and makes the backward a scale by grad_output, free when that is 1
     (see the module docstring for the bytes). Under torch.compile (a functional graph, where the
     scale cannot be done in place) and for reduction='none' (grad_output is a vector) the default
-    is the recompute backward. A second backward through a retained graph is supported.
+    is the recompute backward. A second backward through a retained graph is supported; a double
+    backward (create_graph=True) differentiates the PyTorch reference when the logits were kept
+    (``grad_in_forward=False``) and raises otherwise.
     """
     ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
         ignore_index, label_smoothing, z_loss, softcap, reduction)
-    traced = torch.compiler.is_compiling() or (isinstance(logits, torch.Tensor) and is_fake(logits))
-    needs_grad = isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled()
     if grad_in_forward is None:
-        grad_in_forward = reduction != "none" and not traced
-    args = (logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
-            bool(grad_in_forward) and needs_grad)
-    if traced:
-        loss, zl = _cross_entropy_op(*args)[:2]
-    elif not needs_grad:
-        loss, zl = cross_entropy_fwd(*args)[:2]
-    else:
-        loss, zl = _CrossEntropyFunction.apply(*args)
+        grad_in_forward = reduction != "none" and not traced(logits)
+    args = (logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
+            bool(grad_in_forward) and wants_grad(logits))
+    loss, zl = dispatch(_cross_entropy_op, cross_entropy_fwd, _CrossEntropyFunction, 3, args, _loss_and_z)
     return (loss, zl) if return_z_loss else loss
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     """Drop-in for `torch.nn.CrossEntropyLoss` (same constructor and state_dict) with z_loss and softcap.
 
-    Runs kernelkit's kernel on (N, V) logits with class-index targets. Documented fallbacks to torch:
-    class weights, probability targets, (N, C, d...) inputs, and CPU tensors outside the interpreter.
+    Runs kernelkit's kernel on (N, V) logits with class-index targets, class weights included; the loss
+    is fp32. Documented fallbacks to torch: probability targets, (N, C, d...) or unbatched inputs, and
+    CPU tensors outside the interpreter.
     """
 
     def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
@@ -474,45 +582,52 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         self.z_loss, self.softcap = z_loss, softcap
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None or input.dim() != 2 or target.is_floating_point():
+        if input.dim() != 2 or target.is_floating_point():
             if self.z_loss or self.softcap is not None:
-                raise ValueError("z_loss and softcap need (N, V) logits, class-index targets and no class weight")
+                raise ValueError("z_loss and softcap need (N, V) logits and class-index targets")
             return super().forward(input, target)
-        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                  softcap=self.softcap, reduction=self.reduction)
-        if input.device.type != "cuda" and not interpreting():
+        kw = dict(weight=self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                  z_loss=self.z_loss, softcap=self.softcap, reduction=self.reduction)
+        if input.device.type != "cuda" and not interpreting() and not input.is_meta:
             return reference(input, target, **kw)
         return cross_entropy(input, target, **kw)
 
 
-def reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
-              z_loss: float = 0.0, softcap: Optional[float] = None, reduction: str = "mean", *,
-              return_z_loss: bool = False, grad_in_forward: Optional[bool] = None):
-    """Plain PyTorch: F.cross_entropy on fp32 (or fp64) logits, the way HF models compute the LM loss."""
+def reference(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
+              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+              softcap: Optional[float] = None, reduction: str = "mean", return_z_loss: bool = False,
+              grad_in_forward: Optional[bool] = None):
+    """Plain PyTorch: F.cross_entropy on fp32 (or fp64) logits, the way HF models compute the LM loss;
+    the loss is fp32 (fp64 for fp64 logits), like the kernel's."""
     x = logits if logits.dtype == torch.float64 else logits.float()
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     target = target.long()
-    loss = F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    w = None if weight is None else weight.detach().to(x.dtype)
+    loss = F.cross_entropy(x, target, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction="none")
     valid = target != ignore_index
+    # 'mean' divides by the non-ignored tokens, or by their target weights' sum (torch's weighted mean).
+    w_t = torch.where(valid, w[torch.where(valid, target, 0)], 0.0) if w is not None else valid.to(x.dtype)
     zl = None
     if z_loss or return_z_loss:
-        zl = torch.where(valid, z_loss * torch.logsumexp(x, dim=-1).square(), 0.0)
+        zl = torch.where(valid, z_loss * torch.logsumexp(x, dim=-1).square() * w_t, 0.0)
         loss = loss + zl
 
     def reduce(rows):
         if reduction == "none":
-            return rows.to(logits.dtype)
-        return (rows.sum() / valid.sum() if reduction == "mean" else rows.sum()).to(logits.dtype)
+            return rows
+        return rows.sum() / w_t.sum() if reduction == "mean" else rows.sum()
 
     return (reduce(loss), reduce(zl)) if return_z_loss else reduce(loss)
 
 
-def cost(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
-         z_loss: float = 0.0, softcap: Optional[float] = None, reduction: str = "mean", backward: bool = False,
-         **_) -> Cost:
+def cost(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
+         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+         reduction: str = "mean", backward: bool = False, **_) -> Cost:
     """Ideal traffic: forward reads logits once (and target); backward reads logits (and target) and
-    writes dlogits. The fused grad_in_forward forward + backward can beat their sum: see the docstring."""
+    writes dlogits. The fused grad_in_forward forward + backward can beat their sum: see the docstring.
+    Class weights (V values, read by every row from L2) are not counted."""
     n, v = logits.shape
     nv, esize = n * v, logits.element_size()
     t_bytes = target.numel() * target.element_size()
@@ -537,8 +652,9 @@ def _liger_loader():
     if fn is None:
         return None
 
-    def liger(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
-        return fn(logits, target, None, None, ignore_index, None, reduction, label_smoothing, z_loss, softcap)
+    def liger(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+              reduction="mean"):
+        return fn(logits, target, weight, None, ignore_index, None, reduction, label_smoothing, z_loss, softcap)
 
     return liger
 
@@ -550,6 +666,6 @@ register(OpSpec(
     bench_shapes=[(8192, 32000), (8192, 128256), (4096, 256000)],
     competitors={"liger": _liger_loader},
     replaces=("aten::cross_entropy_loss", "aten::nll_loss_forward", "aten::_log_softmax", "CrossEntropyLoss"),
-    doc="Cross-entropy over large vocabularies: chunked online log-sum-exp, ignore_index, label smoothing, "
-        "z-loss, softcap; dlogits computed in the forward pass.",
+    doc="Cross-entropy over large vocabularies: chunked online log-sum-exp, ignore_index, class weights, label "
+        "smoothing, z-loss, softcap; fp32 loss; dlogits computed in the forward pass.",
 ))

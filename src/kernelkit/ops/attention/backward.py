@@ -25,10 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..testing.poison import empty
-from ..tune import autotune, cdiv, interpreting, launch
-from .attention import (LOG2E, NEG_INF, _key, _strides, _unit_last_stride, allowed, block_d, kv_block_range,
-                        load_tile, mma, scores, sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
+from ...testing.poison import empty
+from ...tune import autotune, cdiv, interpreting, launch
+from .. import _validate
+from .tiles import (LOG2E, NEG_INF, allowed, block_d, kv_block_range, load_tile, mma, row_strides, scores, seq_key,
+                    sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
 
 # dq through fp32 atomics in the dk/dv pass when the caller does not ask for determinism.
 ATOMIC_DQ = True
@@ -286,8 +287,8 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     varlen = cu_seqlens is not None
     batch, seq_q, seq_k = ((cu_seqlens.numel() - 1, max_seqlen, max_seqlen) if varlen
                            else (q.shape[0], q.shape[1], k.shape[1]))
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    do = torch.zeros_like(o) if do is None else _unit_last_stride(do)
+    q, k, v = _validate.unit_last(q), _validate.unit_last(k), _validate.unit_last(v)
+    do = torch.zeros_like(o) if do is None else _validate.unit_last(do)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
@@ -303,9 +304,9 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     rows = 16 if interpreting() else 64
     launch(attn_bwd_preprocess_kernel, (cdiv(seq_q, rows), batch * hq), None,
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
-           *_strides(o, varlen), *_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
+           *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
-    tma = use_tma(q, k, v, do, dk, dv)
+    tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)
     separate_faster = d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K
     # Head dims over 128 never take the atomic path: its dq reduce hit an illegal address on the H100 at
     # d=256 (tests/test_attention.py::test_gpu_large_shapes, atomic only; the dq kernel passes).
@@ -316,22 +317,22 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
                   HAS_SOFTCAP=softcap is not None, VARLEN=varlen, USE_TMA=tma)
     softcap_scale, softcap2 = (scale / softcap, softcap * 1.4426950408889634) if softcap else (0.0, 0.0)
     score = (scale, scale * 1.4426950408889634, softcap_scale, softcap2, window or 0)
-    head = (seq_q, seq_k, hq, hk, hq // hk, *score, _key(seq_q), _key(seq_k))
+    head = (seq_q, seq_k, hq, hk, hq // hk, *score, seq_key(seq_q), seq_key(seq_k))
     cu = cu_seqlens if varlen else q
-    dq_strides = _strides(dq_acc, varlen) if atomic else (0, 0, 0)
+    dq_strides = row_strides(dq_acc, varlen) if atomic else (0, 0, 0)
     grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
-    launch(attn_bwd_dkdv_kernel, grid, (_key(seq_q), _key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype),
-           q, k, v, do, dk, dv, dq_acc, lse2, delta, cu, *_strides(q, varlen), *_strides(k, varlen),
-           *_strides(v, varlen), *_strides(do, varlen), *_strides(dk, varlen), *_strides(dv, varlen), *dq_strides,
-           *l_strides, *head, _key(hq // hk), ATOMIC_DQ=atomic, DQ_TMA=atomic and tma and not interpreting(),
-           **common)
+    key = (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype)
+    launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
+           *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),
+           *row_strides(dk, varlen), *row_strides(dv, varlen), *dq_strides, *l_strides, *head, seq_key(hq // hk),
+           ATOMIC_DQ=atomic, DQ_TMA=atomic and tma and not interpreting(), **common)
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
-    launch(attn_bwd_dq_kernel, grid, (_key(seq_q), _key(seq_k), tuple(common.items()), q.dtype),
-           q, k, v, do, dq, lse2, delta, cu, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen),
-           *_strides(do, varlen), *_strides(dq, varlen), *l_strides, *head, **common)
+    launch(attn_bwd_dq_kernel, grid, (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), q.dtype),
+           q, k, v, do, dq, lse2, delta, cu, *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
+           *row_strides(do, varlen), *row_strides(dq, varlen), *l_strides, *head, **common)
     return dq, dk, dv
 
 
