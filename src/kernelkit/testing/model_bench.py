@@ -160,6 +160,9 @@ def run_model_bench(example: str | None = "llama", config_path: str | None = Non
             else:
                 rows.append(json.loads(Path(tmp, "row.json").read_text()))
             rows[-1]["wall_s"] = time.time() - t0
+            if out:  # row by row: a run cut short keeps what it measured
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "model.partial.json").write_text(json.dumps(rows, indent=1))
     eager = next((r for r in rows if r["variant"] == "eager" and "step_ms" in r), None)
     for r in rows:
         if eager and "step_ms" in r:
