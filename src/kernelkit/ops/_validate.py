@@ -22,7 +22,7 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
         raise TypeError(f"{name} has dtype {_name(x.dtype)}; supported: {', '.join(map(_name, dtypes))}")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
-    if not x.is_cuda and not interpreting():
+    if not x.is_cuda and not x.is_meta and not interpreting():  # meta: shapes only, routed to the fake impl
         raise ValueError(f"{name} is on {x.device}, but kernelkit's Triton kernels need a CUDA tensor "
                          f"(move it with .cuda(), or set TRITON_INTERPRET=1 to run them slowly on the CPU)")
     return x
