@@ -83,3 +83,19 @@ def test_norm_weights_in_every_user_layout(device):
         y, s = kernelkit.add_rms_norm(x, x, w)
         torch.testing.assert_close(y.double(), torch.nn.functional.rms_norm(2 * x.double(), (64,), w.double(), 1e-6),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_rope_with_q_or_k_broadcast(device):
+    # The cases: one batch's q broadcast over the batch, and k shared by all heads (MQA), stride 0.
+    from kernelkit.ops.rope import reference
+
+    q = torch.randn(1, 5, 4, 16, device=device).expand(3, 5, 4, 16)
+    k = torch.randn(3, 5, 1, 16, device=device).expand(3, 5, 4, 16)
+    angle = torch.rand(3, 5, 16, device=device) * 6
+    for layout in ("bshd", "bhsd"):
+        qq, kk = (q, k) if layout == "bshd" else (q.transpose(1, 2), k.transpose(1, 2))
+        got = kernelkit.rope(qq, kk, angle.cos(), angle.sin(), layout=layout)
+        want = reference(qq, kk, angle.cos(), angle.sin(), layout=layout)
+        for g, w in zip(got, want):
+            assert g.stride(-1) == 1 and g.is_contiguous() or g.transpose(1, 2).is_contiguous()
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
