@@ -11,9 +11,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-# The interpreter runs every Triton kernel on the CPU, so the tests need no GPU.
+# The interpreter runs every Triton kernel on the CPU, so the tests need no GPU; one worker per core.
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" --timeout=600 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m "not gpu" --timeout=600 tests
 
 # The main job: the ceilings (measured on a GPU, the H100 datasheet without one); every op checked
 # against its float64 reference; then the built-in Llama example profiled on the roofline (measured on
