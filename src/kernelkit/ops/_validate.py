@@ -92,3 +92,24 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
         return _copied(x)
     return x
+
+
+LOSS_REDUCTIONS = ("mean", "sum", "none")
+
+
+def loss_options(ignore_index, label_smoothing, z_loss, softcap, reduction):
+    """The cross-entropy losses' options, validated and normalized: (int, float, float, float | None, str)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not (number(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not (number(z_loss) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, got {reduction!r}")
+    return ignore_index, float(label_smoothing), float(z_loss), (None if softcap is None else float(softcap)), reduction

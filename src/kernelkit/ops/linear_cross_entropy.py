@@ -86,24 +86,12 @@ def grad_scale_kernel(X, GRAD, numel, BLOCK: tl.constexpr):
 # --- validation ---
 
 def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not (number(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    if not (number(z_loss) and math.isfinite(z_loss) and z_loss >= 0):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
-    if softcap is not None and not (number(softcap) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    """cross_entropy's checks of the shared options, then chunk_size; returns them normalized."""
+    scalars = _validate.loss_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int (rows per chunk), got {chunk_size!r}")
-    return (ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
-            reduction, chunk_size)
+    return (*scalars, chunk_size)
 
 
 def _check_tensors(hidden, weight, target, bias):

@@ -89,24 +89,11 @@ def call_shape(op: str, spec, run: list[OpRecord]) -> tuple[tuple, str] | None:
 # --- timing kernelkit on this GPU ---
 
 def kernel_ms(fn, reps: int = 10) -> float | None:
-    """Mean summed device time of the kernels one call of `fn` launches, L2 flushed before each call: as
-    testing.bench.kernel_time_ms, less the GPU-side copies of profiler ranges (`is_user_annotation`), which
-    kernelkit's own calls open while a profiler records and which would count their kernels twice."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """Mean summed device time of the kernels one call of `fn` launches, L2 flushed before each call
+    (testing.bench.kernel_time_ms)."""
+    from ..testing.bench import kernel_time_ms
 
-    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.bitwise_not_()
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not getattr(e, "is_user_annotation", False) and "bitwise_not" not in e.name)
-    return total / reps / 1e3 if total > 0 else None
+    return kernel_time_ms(fn, reps)
 
 
 def time_kernelkit(spec, shape: tuple, dtype: str, phases, reps: int = 10) -> dict:

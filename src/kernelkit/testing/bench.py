@@ -70,8 +70,11 @@ def kernel_time_ms(fn: Callable[[], Any], reps: int = 20) -> float | None:
             flush.bitwise_not_()
             fn()
         torch.cuda.synchronize()
+    # Less the GPU-side copies of profiler ranges (`is_user_annotation`): kernelkit's own calls open
+    # ranges while a profiler records, and counting them would count their kernels twice.
     total = sum(e.device_time for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and _FLUSH_MARK not in e.name)
+                if e.device_type == torch.autograd.DeviceType.CUDA and _FLUSH_MARK not in e.name
+                and not getattr(e, "is_user_annotation", False))
     return total / reps / 1e3 if total > 0 else None
 
 
