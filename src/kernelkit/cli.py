@@ -1,4 +1,4 @@
-"""kernelkit doctor | bench | check | profile"""
+"""kernelkit doctor | bench | check | profile | tune"""
 
 from __future__ import annotations
 
@@ -13,6 +13,24 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profile-first, roofline-guided GPU kernel work on PyTorch.")
 console = Console()
+
+
+def _tuning_notice(describe):
+    """While a command runs: `describe(text)` when the autotuner starts timing configs for a new shape (a first
+    call can take seconds to minutes; the persistent cache makes the next process skip it). Returns a function
+    giving the summary line: how many kernel keys were tuned and how long it took."""
+    from . import tune
+
+    before = (tune.tuned_keys, tune.tuning_seconds)
+    tune.on_tune = lambda event, rec: describe(f"tuning {rec['kernel']} for a new shape (cached afterwards)") \
+        if event == "start" else None
+
+    def summary() -> str:
+        tune.on_tune = None
+        n, secs = tune.tuned_keys - before[0], tune.tuning_seconds - before[1]
+        return f"autotuned {n} kernel key(s) in {secs:.1f} s (kept in the tuning cache)" if n else ""
+
+    return summary
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -128,6 +146,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         raise typer.Exit(2)
     ceilings = measure_ceilings()
     names = sorted(registry.all_ops()) if op == "all" else [op]
+    tuning = _tuning_notice(lambda text: console.print(f"[dim]{text}[/]"))
     for name in names:
         spec = registry.get(name)
         chosen = spec.bench_shapes[:1] if quick else None
@@ -148,18 +167,43 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         plot(big, out / f"{name}.png", metric="tflops" if compute else "gbps",
              ceiling=None if compute else ceilings.copy_gbps, title=f"{name} {dtype} on {ceilings.gpu}")
         console.print(f"wrote {path} and {path.with_suffix('.png')}")
+    if msg := tuning():
+        console.print(msg)
 
 
 @app.command()
-def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
+def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a candidate CANDIDATE.py "
+                                             "(with --reference)"),
           dtype: str = typer.Option("all", help="float32, bfloat16, float16 or all"),
           device: Optional[str] = typer.Option(None, help="cuda or cpu (cpu needs TRITON_INTERPRET=1)"),
           trials: int = typer.Option(2, min=1, help="fresh random inputs per op, dtype and shape (at least 1)"),
           small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)"),
           layouts: bool = typer.Option(True, help="also pass every tensor argument as a row-padded, column-major, "
-                                                  "stepped, offset, misaligned and broadcast view")):
-    """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races)."""
+                                                  "stepped, offset, misaligned and broadcast view"),
+          reference: Optional[Path] = typer.Option(None, "--reference", help="candidate files: the reference file "
+                                                   "(KernelBench: Model, get_inputs, get_init_inputs)"),
+          rtol: Optional[float] = typer.Option(None, help="candidate files: relative-norm tolerance instead of the "
+                                                          "output dtype's (float32: 1e-5)"),
+          atol: Optional[float] = typer.Option(None, help="candidate files: also pass outputs within "
+                                                          "|out - ref| <= atol + rtol |ref| everywhere"),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="candidate files: write the report here")):
+    """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races).
+
+    `kernelkit check CANDIDATE.py --reference REFERENCE.py` verifies any candidate kernel instead: the
+    reference file defines Model, get_inputs() and get_init_inputs() (KernelBench), the candidate ModelNew
+    (or Model). Exit status 0 when every check passes, 1 when one fails, 2 for usage errors."""
     import os
+
+    if op.endswith(".py") or Path(op).is_file():
+        _check_files(Path(op), reference, device, trials, rtol, atol, json_out,
+                     op_only=[n for n, v in (("--dtype", dtype != "all"), ("--small", small)) if v])
+        return
+    given = [n for n, v in (("--reference", reference), ("--rtol", rtol), ("--atol", atol), ("--json", json_out))
+             if v is not None]
+    if given:
+        console.print(f"[red]{', '.join(given)}[/] apply to a candidate file (CANDIDATE.py --reference "
+                      f"REFERENCE.py), not to the op {op!r}.", soft_wrap=True)
+        raise typer.Exit(2)
 
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -200,6 +244,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
     with Progress(TextColumn("[bold]checking[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("", total=len(plan))
+        tuning = _tuning_notice(lambda text: bar.update(task, description=text))
         for spec, dt, shape in plan:
             bar.update(task, description=f"{spec.name} {dt} {shape}")
             if shape == "layouts":
@@ -214,6 +259,8 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
                           f"{worst:.2e}")
             bar.advance(task)
     console.print(table)
+    if msg := tuning():
+        console.print(msg)
     colour = "red" if failed or not plan else "green"
     n_layout = sum(1 for p in plan if p[2] == "layouts")
     n_shape = len(plan) - n_layout
@@ -223,6 +270,94 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'"),
     if failed or not plan:  # a check that ran nothing has passed nothing
         raise typer.Exit(1)
 
+
+_RESULT_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim", "info": "cyan"}
+
+
+def _check_files(candidate: Path, reference: Optional[Path], device: Optional[str], trials: int,
+                 rtol: Optional[float], atol: Optional[float], json_out: Optional[Path], op_only: list[str]) -> None:
+    """`kernelkit check CANDIDATE.py --reference REFERENCE.py`: every check of testing.verify, as a table."""
+    import os
+    import re
+
+    from rich.markup import escape
+
+    def usage(msg: str):
+        console.print(msg, soft_wrap=True)
+        raise typer.Exit(2)
+
+    if reference is None:
+        usage(f"[red]{candidate} is a candidate file[/]: name its reference with --reference REFERENCE.py "
+              "(it defines Model, get_inputs and get_init_inputs).")
+    if op_only:
+        usage(f"[red]{', '.join(op_only)}[/] apply to op checks; a candidate file runs on the reference's own inputs.")
+    for path in (candidate, reference):
+        if not path.is_file():
+            usage(f"[red]{path}: no such file[/]")
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        usage(f"[red]--device {device!r}[/]: use cuda or cpu.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        usage(f"[red]--device {device}: no CUDA GPU is visible[/]; run on a GPU, or use --device cpu.")
+    # Triton reads TRITON_INTERPRET as it imports (its own tl.* helpers are jitted then): too late to set it here.
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and \
+            re.search(r"^\s*(import|from)\s+triton\b", candidate.read_text(errors="replace"), re.M):
+        usage("[red]--device cpu runs the candidate's Triton kernels in Triton's interpreter[/]: "
+              "set TRITON_INTERPRET=1 (e.g. TRITON_INTERPRET=1 kernelkit check ...).")
+    notes = []
+
+    from .testing.problem_files import CandidateError, ProblemError, load_problem
+    from .testing.verify import CHECKS, FAIL, Finding, VerifyReport, check_module
+
+    try:
+        problem = load_problem(candidate, reference)
+        notes += problem.notes
+        with Progress(TextColumn("[bold]verifying[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("", total=len(CHECKS))
+            report = check_module(problem.candidate, problem.reference, problem.make_inputs, device=device,
+                                  trials=trials, rtol=rtol, atol=atol,
+                                  progress=lambda name: bar.update(task, description=name,
+                                                                   completed=CHECKS.index(name)))
+    except ProblemError as e:
+        usage(f"[red]{escape(str(e))}[/]")
+    except CandidateError as e:  # a candidate that does not even load fails, it is not a usage error
+        report = VerifyReport(findings=[Finding("load", FAIL, str(e))], device=device)
+    except ValueError as e:  # the reference fails on its own inputs
+        usage(f"[red]{reference}: {escape(str(e))}[/]")
+    report.notes = notes + report.notes
+
+    table = Table(title=f"kernelkit check {candidate.name} against {reference.name} on {device}")
+    for col in ("check", "result", "detail"):
+        table.add_column(col, overflow="fold")
+    for f in report.findings:
+        style = _RESULT_STYLE.get(f.result, "")
+        table.add_row(f.check, f"[{style}]{f.result}[/]", escape(f.detail))
+    console.print(table)
+    for note in report.notes:
+        console.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True)
+    if report.reference_precision:
+        console.print(f"reference computed in {escape(report.reference_precision)}", soft_wrap=True)
+    if json_out:
+        doc = {"candidate": str(candidate), "reference": str(reference), **report.to_json()}
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=1, default=str))
+    if report.ok:
+        warned = [f.check for f in report.findings if f.result == "warn"]
+        console.print("[green]every check passed[/]" + (f" (warnings: {', '.join(warned)})" if warned else ""),
+                      soft_wrap=True)
+        return
+    console.print(f"[red]{len(report.failed)} check(s) failed: {', '.join(report.failed)}[/]", soft_wrap=True)
+    raise typer.Exit(1)
+
+
+from .tune.cli import tune_command  # noqa: E402
+
+app.command("tune")(tune_command)
 
 try:  # the profiler registers its own command when its package is present
     from .profile.cli import profile_command

@@ -2,6 +2,7 @@
 
 from .correctness import TOLERANCES, CheckReport, as_dtype, check, check_spec, compare, rel_error
 from .poison import empty, empty_like, poisoned_outputs
+from .verify import Finding, VerifyReport, check_module
 
 __all__ = ["TOLERANCES", "CheckReport", "as_dtype", "check", "check_spec", "compare", "rel_error", "empty",
-           "empty_like", "poisoned_outputs"]
+           "empty_like", "poisoned_outputs", "check_module", "Finding", "VerifyReport"]

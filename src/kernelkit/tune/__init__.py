@@ -2,6 +2,7 @@
 
 `autotune` is `triton.autotune` except under the Triton interpreter (`TRITON_INTERPRET=1`), where
 timing a config on the CPU means nothing and costs minutes: there only the first config runs.
+`launch` keeps what it tuned on disk (`tune/cache.py`), so the next process starts tuned.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import time
 
 import torch
 import triton
 from triton import knobs
 from triton.runtime.autotuner import Autotuner
+
+from . import cache
 
 
 def interpreting() -> bool:
@@ -23,17 +27,27 @@ def interpreting() -> bool:
 def autotune(configs: list, key: list[str], **kwargs):
     """`triton.autotune`; one config under the interpreter, and the first config the pruner keeps when
     KERNELKIT_TUNE=first (GPU correctness runs, where timing every config of every shape costs minutes)."""
+    untuned = interpreting() or os.environ.get("KERNELKIT_TUNE") == "first"
     if interpreting():
         configs = configs[:1]
         kwargs.pop("prune_configs_by", None)
-    elif os.environ.get("KERNELKIT_TUNE") == "first":
+    elif untuned:
         prune = (kwargs.get("prune_configs_by") or {}).get("early_config_prune")
         if prune is None:
             configs = configs[:1]
         else:
             kwargs["prune_configs_by"] = {**kwargs["prune_configs_by"],
                                           "early_config_prune": lambda *a, **k: list(prune(*a, **k))[:1]}
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    tuner = triton.autotune(configs=configs, key=key, **kwargs)
+    if not untuned:
+        return tuner
+
+    def mark(fn):  # its choices are not tunings: `launch` neither looks them up in the cache nor stores them
+        kernel = tuner(fn)
+        kernel.kernelkit_untuned = True
+        return kernel
+
+    return mark
 
 
 def cdiv(a: int, b: int) -> int:
@@ -146,6 +160,8 @@ def launch(kernel, grid, key, *args, **kwargs):
     `JITFunction.run` re-binds and re-specializes every argument, builds launch metadata and calls its
     (empty) hook chains on every launch, tens of microseconds of host time per call.
 
+    The first call for a `key` takes the config stored by an earlier process for this machine, kernel source and
+    tuning key (`tune/cache.py`), and tunes (then stores) only when there is none.
     `key` must cover what the autotuner keys on (its key args and the tensors' dtypes); None for a plain
     JIT kernel. A callable `grid` may read only keyword (constexpr and config) arguments on the lean path
     (checked on first use; other grids take Triton's path). `KERNELKIT_LEAN_LAUNCH=0` (read at import;
@@ -153,11 +169,12 @@ def launch(kernel, grid, key, *args, **kwargs):
     """
     entry = _chosen.get((kernel, key))
     if entry is None:
-        if isinstance(kernel, Autotuner):
-            out = kernel[grid](*args, **kwargs)
-            _chosen[(kernel, key)] = _Entry(kernel.fn, kernel.best_config)
-            return out
-        entry = _chosen[(kernel, key)] = _Entry(kernel, None)
+        if not isinstance(kernel, Autotuner):
+            entry = _chosen[(kernel, key)] = _Entry(kernel, None)
+        else:
+            entry = _known(kernel, key, args, kwargs)
+            if entry is None:
+                return _tune(kernel, grid, key, args, kwargs)
     kw = {**kwargs, **entry.cfg_kwargs} if entry.cfg is not None else kwargs
     if not LEAN or _hooks_installed():
         return entry.jit[grid](*args, **kw)
@@ -181,6 +198,75 @@ def launch(kernel, grid, key, *args, **kwargs):
                  compiled.metadata, None, None, None, *args, *compiled.tail)
     return None
 
+
+# What tuning cost this process, for `kernelkit check` and `bench` to report: seconds spent tuning and
+# (kernel, tuning key)s tuned; one record per first launch of an autotuned (kernel, key): {"kernel", "key",
+# "config", "seconds" (of that launch, compiling included), "source"}, source "tuned", "cache" (the persistent
+# cache) or "untuned" (the interpreter, KERNELKIT_TUNE=first: the first config); and `on_tune(event, record)`,
+# when set, called with "start" before a tuning and "done" after it.
+tuning_seconds = 0.0
+tuned_keys = 0
+tune_log: list[dict] = []
+on_tune = None
+
+
+def _tuned(kernel) -> bool:
+    """Whether the autotuner times configs at all (not under the interpreter or KERNELKIT_TUNE=first)."""
+    return len(kernel.configs) > 1 and not getattr(kernel, "kernelkit_untuned", False)
+
+
+def _persist() -> bool:
+    return cache.enabled() and not interpreting()
+
+
+def _record(kernel, tkey, cfg, seconds: float, source: str) -> dict:
+    rec = {"kernel": kernel.base_fn.__name__, "key": tkey, "config": cache.describe(cfg), "seconds": seconds,
+           "source": source}
+    tune_log.append(rec)
+    return rec
+
+
+def _known(kernel, key, args, kwargs):
+    """The _Entry for a first launch of (kernel, key) whose config needs no tuning: the autotuner chose it in
+    this process under another `key`, or the persistent cache holds it. None otherwise."""
+    if not _tuned(kernel) or any(c.pre_hook for c in kernel.configs):  # pre_hooks run in Autotuner.run
+        return None
+    tkey = cache.tuning_key(kernel, args, kwargs)
+    cfg = kernel.cache.get(tkey)
+    if cfg is None and _persist():
+        cfg = cache.lookup(kernel, tkey)
+        if cfg is not None:
+            kernel.cache[tkey] = cfg  # the autotuner's own state as if it had tuned: Triton's path agrees
+            _record(kernel, tkey, cfg, 0.0, "cache")
+    if cfg is None:
+        return None
+    kernel.best_config = cfg
+    entry = _chosen[(kernel, key)] = _Entry(kernel.fn, cfg)
+    return entry
+
+
+def _tune(kernel, grid, key, args, kwargs):
+    """First launch through the autotuner (which tunes a new tuning key), then store what it chose."""
+    global tuning_seconds, tuned_keys
+    tkey = cache.tuning_key(kernel, args, kwargs) if _tuned(kernel) else None
+    tuning = tkey is not None and tkey not in kernel.cache
+    if tuning and on_tune is not None:
+        on_tune("start", {"kernel": kernel.base_fn.__name__, "key": tkey})
+    start = time.perf_counter()
+    out = kernel[grid](*args, **kwargs)
+    _chosen[(kernel, key)] = _Entry(kernel.fn, kernel.best_config)
+    seconds = time.perf_counter() - start
+    if tkey is None:
+        _record(kernel, None, kernel.best_config, seconds, "untuned")
+    elif tuning:
+        tuning_seconds += seconds
+        tuned_keys += 1
+        rec = _record(kernel, tkey, kernel.best_config, seconds, "tuned")
+        if _persist():
+            cache.store(kernel, tkey, kernel.best_config, seconds)
+        if on_tune is not None:
+            on_tune("done", rec)
+    return out
 
 
 def _get_device():
