@@ -252,6 +252,22 @@ class _Grads:
                 db if db is not None else none.clone())
 
 
+def _chunk_logits(hidden, weight, bias, rows):
+    """(start, end, hidden rows, logits) per chunk of `rows` tokens: one cuBLAS GEMM each into one buffer
+    reused by every chunk (a chunk's logits are consumed before the next overwrites them)."""
+    t, v = hidden.shape[0], weight.shape[0]
+    buf = empty((min(rows, t), v), dtype=hidden.dtype, device=hidden.device)
+    wt = weight.t()
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        h_c, logits = hidden[s:e], buf[:e - s]
+        if bias is not None:
+            torch.addmm(bias, h_c, wt, out=logits)
+        else:
+            torch.mm(h_c, wt, out=logits)
+        yield s, e, h_c, logits
+
+
 def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
                              z_loss=0.0, softcap=None, reduction="mean", chunk_size=None, need_dhidden=False,
                              need_dweight=False, need_dbias=False):
@@ -275,20 +291,12 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-10
     z_rows = empty((t,), dtype=torch.float32, device=dev) if z_loss else loss_rows
     count = (target != ignore_index).sum()
     grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need) if grad else None
-    buf = empty((min(rows, t), v), dtype=hidden.dtype, device=dev)
-    wt = weight.t()
-    for s in range(0, t, rows):
-        e = min(s + rows, t)
-        h_c, logits = hidden[s:e], buf[:e - s]
-        if bias is not None:
-            torch.addmm(bias, h_c, wt, out=logits)
-        else:
-            torch.mm(h_c, wt, out=logits)
+    for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
         _ce_forward(logits, target[s:e], count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
                     label_smoothing, z_loss, softcap, reduction == "mean", grad)
         if grad:
             grads.add_chunk(logits, h_c, s)
-    del buf
+    logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     if reduction == "none":
         loss = loss_rows
     else:
@@ -311,18 +319,10 @@ def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_ind
     rows = chunk_rows(t, v, hidden.element_size(), chunk_size)
     grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need)
     target = target.contiguous()
-    buf = empty((min(rows, t), v), dtype=hidden.dtype, device=hidden.device)
-    wt = weight.t()
-    for s in range(0, t, rows):
-        e = min(s + rows, t)
-        h_c, logits = hidden[s:e], buf[:e - s]
-        if bias is not None:
-            torch.addmm(bias, h_c, wt, out=logits)
-        else:
-            torch.mm(h_c, wt, out=logits)
+    for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
         _ce_backward(logits, target[s:e], lse[s:e], grad[s:e], ignore_index, label_smoothing, z_loss, softcap)
         grads.add_chunk(logits, h_c, s)
-    del buf
+    logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     return grads.result(hidden, weight, bias)
 
 
