@@ -46,6 +46,8 @@ class OpSpec:
     # where the spec sets it: e.g. a broadcast LM-head weight makes every class alike, so the reference
     # gradient of the hidden states is exactly zero and a relative error against it means nothing.
     layout_skip: tuple[tuple[int, str], ...] = ()
+    # The shape the layout fuzz uses (default: the smallest test shape with every size above 1).
+    layout_shape: tuple | None = None
 
 
 _REGISTRY: dict[str, OpSpec] = {}

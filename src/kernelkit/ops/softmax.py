@@ -463,6 +463,9 @@ _COMMON = {
     "test_shapes": [(1, 1), (3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
     "bench_shapes": [(4096, 4096), (16384, 4096), (8192, 8192), (16384, 8192), (1024, 32768), (64, 393216)],
     "latency_shapes": [(1, 4096)],
+    # Rows of 129: in 16-bit, dx = y * (dy - sum(dy * y)) of rows this short cancels to a relative error
+    # near bf16's tolerance from y's rounding alone (see test_softmax), whatever the layout.
+    "layout_shape": (2, 3, 129),
 }
 register(OpSpec(name="softmax", fn=softmax, reference=reference, eager=_eager,
                 competitors={"liger": _liger_loader},

@@ -74,7 +74,10 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor | None:
 
 
 def layout_shape(spec) -> tuple:
-    """The op's smallest test shape with every size above 1 (a layout of a size-1 dim is no layout)."""
+    """The op's layout shape, or its smallest test shape with every size above 1 (a layout of a size-1 dim
+    is no layout)."""
+    if spec.layout_shape is not None:
+        return spec.layout_shape
     shapes = [s for s in spec.test_shapes if all(isinstance(d, bool) or not isinstance(d, int) or d > 1 for d in s)]
     return min(shapes or spec.test_shapes, key=lambda s: sum(d for d in s if isinstance(d, int)))
 
