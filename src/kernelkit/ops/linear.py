@@ -34,6 +34,8 @@ ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "relu", "relu2", "swiglu")
 INV_SQRT_2 = 0.7071067811865476
 TWO_SQRT_2_OVER_PI = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh's 0.5 * (1 + tanh(u)) is sigmoid(2u)
 GELU_CUBIC = 0.044715
+# The same constants for the kernels: a kernel may read only constexpr globals (the host code uses the floats).
+K_INV_SQRT_2, K_TWO_SQRT_2_OVER_PI, K_GELU_CUBIC = (tl.constexpr(v) for v in (INV_SQRT_2, TWO_SQRT_2_OVER_PI, GELU_CUBIC))
 # Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
 # (16-bit operands are exact in fp32, so the result is what the tensor cores compute).
 _INTERPRETER_DOT = tl.constexpr(interpreting())
@@ -56,9 +58,9 @@ def _gemm_configs() -> list:
 @triton.jit
 def _activate(z, ACTIVATION: tl.constexpr):
     if ACTIVATION == "gelu":
-        z = 0.5 * z * (1.0 + tl.erf(z * INV_SQRT_2))
+        z = 0.5 * z * (1.0 + tl.erf(z * K_INV_SQRT_2))
     elif ACTIVATION == "gelu_tanh":
-        z = z * tl.sigmoid(TWO_SQRT_2_OVER_PI * z * (1.0 + GELU_CUBIC * z * z))
+        z = z * tl.sigmoid(K_TWO_SQRT_2_OVER_PI * z * (1.0 + K_GELU_CUBIC * z * z))
     elif ACTIVATION == "silu":
         z = z * tl.sigmoid(z)
     elif ACTIVATION == "relu":
@@ -101,9 +103,10 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     a_rows = A + rm[:, None] * stride_am
     b_cols = B + rn[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ACTIVATION == "swiglu":
-        b_up = B + (rn + N)[None, :] * stride_bn
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The up half of a swiglu gate-up weight. Defined for every activation: the compiler needs a loop-carried
+    # value defined before the loop, and drops both when ACTIVATION is not "swiglu".
+    b_up = B + (rn + N)[None, :] * stride_bn
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K

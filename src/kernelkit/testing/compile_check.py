@@ -34,8 +34,8 @@ def _describe(value):
         return {"value": value, "type": "i32" if -(2**31) <= value < 2**31 else "i64"}
     if isinstance(value, float):
         return {"value": value, "type": "fp32"}
-    if value is None:
-        return {"value": None}
+    if value is None or isinstance(value, str):  # None, or a string constexpr (an activation's name, say)
+        return {"value": value}
     raise TypeError(f"cannot describe kernel argument of type {type(value).__name__}")
 
 
