@@ -28,9 +28,6 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
     return x
 
 
-from ._dispatch import wants_grad  # noqa: E402,F401  (re-exported: op files check it before dispatching)
-
-
 def number(v, name: str, *, low: float | None = None, finite: bool = True, allow_bool: bool = False) -> float:
     """A Python (or 0-dim tensor) real number as float, with an error naming the argument otherwise."""
     if isinstance(v, bool) and not allow_bool or not isinstance(v, (int, float)):
