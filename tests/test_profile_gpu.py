@@ -127,13 +127,18 @@ def _patched_hf_llama():
     return model, inputs, kpatch
 
 
-def test_kernelkit_kernels_are_attributed_in_a_patched_model():
+def _profile_patched():
+    """The HF Llama example profiled under kernelkit.patch (unpatched afterwards)."""
     model, inputs, kpatch = _patched_hf_llama()
     kpatch.patch(model)
     try:
-        rep = profile(model, inputs, steps=2, time_kernels=False)
+        return profile(model, inputs, steps=2, time_kernels=False)
     finally:
         kpatch.unpatch(model)
+
+
+def test_kernelkit_kernels_are_attributed_in_a_patched_model():
+    rep = _profile_patched()
     kk = [r for r in rep.rows if r.op.startswith("kernelkit::")]
     ops = {r.op for r in kk}
     assert {"kernelkit::rms_norm", "kernelkit::swiglu", "kernelkit::rope", "kernelkit::attention"} <= ops, ops
@@ -141,7 +146,7 @@ def test_kernelkit_kernels_are_attributed_in_a_patched_model():
     for r in kk:
         assert r.module and r.pct_roof is not None and r.pct_roof > 1 and r.verdict, r
     assert all(r.module.endswith(":LlamaRMSNorm") for r in kk if r.op == "kernelkit::rms_norm")
-    def lce(u):  # the fused linear cross-entropy: its own dispatch, see the xfail test below
+    def lce(u):  # the fused linear cross-entropy: its own routing, checked by the next test
         return "linearcrossentropy" in u["what"].replace("_", "").lower() or "lce" in u["what"].lower()
 
     triton = [u for u in rep.unattributed if "_kernel" in u["what"] and not lce(u)]
@@ -151,12 +156,7 @@ def test_kernelkit_kernels_are_attributed_in_a_patched_model():
 
 
 def test_linear_cross_entropy_kernels_are_attributed():
-    model, inputs, kpatch = _patched_hf_llama()
-    kpatch.patch(model)
-    try:
-        rep = profile(model, inputs, steps=2, time_kernels=False)
-    finally:
-        kpatch.unpatch(model)
+    rep = _profile_patched()
     assert any(r.op == "kernelkit::linear_cross_entropy" for r in rep.rows), rep.unattributed[:5]
 
 

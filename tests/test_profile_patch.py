@@ -12,14 +12,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from kernelkit.cli import app
 from kernelkit.hw import DATASHEETS, Ceilings
 from kernelkit.profile import Thresholds, Trace, analyze
 from kernelkit.profile.compare import changed_ms, patch_comparison
-from kernelkit.profile.costs import attention_flops, kernelkit_cost, op_cost, parse_range
+from kernelkit.profile.costs import attention_flops, kernelkit_cost, parse_range
 from kernelkit.profile.kineto import attribute
 from kernelkit.profile.projection import (PATCH_SWITCH, SWITCHES, apply_text, call_shape, shape_key,
                                           table_efficiency)
@@ -258,15 +257,7 @@ def test_predicted_mode_says_where_each_projection_comes_from():
 
 # --- cost attribution: fills, gathers ---
 
-class _Costs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.seen.setdefault(func._schema.name, op_cost(func, args, kwargs or {}, out))
-        return out
+from .test_profile import _Costs  # noqa: E402  (records each aten op's cost)
 
 
 def test_fills_and_gathers_count_the_bytes_they_touch():
