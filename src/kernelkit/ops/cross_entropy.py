@@ -22,7 +22,6 @@ softmax from the saved lse: 3 N·V·esize).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
