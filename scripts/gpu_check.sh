@@ -3,12 +3,13 @@
 # kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
 # (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile,host,flce,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,latency,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
 # The test stage runs the whole suite on the GPU (the CPU suite's edge cases through the real compiler, plus
 # the gpu-marked tests); TEST_MARK=gpu narrows it to the gpu-marked ones. The host stage compares host time
 # per call with a baseline tree carried in .base/src (git worktree add .base <commit>), when present.
 # Optional: TEST_TUNE=first (tests run the first config each pruner keeps instead of timing all),
 # BENCH_SHAPES='[(4, 4096, 16, 128, True)]' (instead of the op's bench shapes), BENCH_FLAGS="--no-compile",
+# PYTEST_WORKERS=N (pytest-xdist), SANITIZE_JOBS=N (ops under memcheck side by side, overlapping the tests),
 # TEST_TIMEOUT / SANITIZE_TIMEOUT / BENCH_TIMEOUT in seconds per stage (per op for the last two).
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
@@ -32,24 +33,34 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 if has doctor; then
   log doctor; $KK doctor --json "$RES/doctor.json" 2>&1 | tee "$RES/doctor.log"
 fi
+sanitize_one() {  # one op under memcheck; its log and one line in sanitize.txt
+  op=$1
+  KERNELKIT_TUNE=first timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
+    python3 -m kernelkit.cli check "$op" --small --trials 1 >"$RES/sanitize-$op.log" 2>&1
+  echo "$op memcheck rc=$?" | tee -a "$RES/sanitize.txt"
+}
+export -f sanitize_one; export RES
+sanitize_pid=
+if has sanitize; then
+  ops=$([ "$OPS" = all ] && python3 -c "from kernelkit.ops import registry; print(' '.join(sorted(registry.all_ops())))" || echo $OPS)
+  log "compute-sanitizer memcheck (${SANITIZE_JOBS:-1} at a time): $ops"
+  # SANITIZE_JOBS>1 runs the ops side by side (the sanitizer is host-bound); with the test stage it overlaps too
+  echo $ops | tr ' ' '\n' | xargs -P "${SANITIZE_JOBS:-1}" -I{} bash -c 'sanitize_one {}' &
+  sanitize_pid=$!
+  [ "${SANITIZE_JOBS:-1}" = 1 ] && { wait $sanitize_pid; sanitize_pid=; }
+fi
 if has test; then
   sel=()
   if [ -n "${TESTS:-}" ]; then sel=($TESTS)
   elif [ "$OPS" != all ]; then for op in $OPS; do [ -f "tests/test_${op}.py" ] && sel+=("tests/test_${op}.py"); done
   else sel=(tests); fi
   mark=(); [ -n "${TEST_MARK:-}" ] && mark=(-m "$TEST_MARK")
-  log "pytest ${mark[*]} ${sel[*]}"
-  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${mark[@]}" -p no:cacheprovider --timeout=300 \
+  workers=(); [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
+  log "pytest ${workers[*]} ${mark[*]} ${sel[*]}"
+  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${workers[@]}" "${mark[@]}" -p no:cacheprovider --timeout=300 \
     --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
 fi
-if has sanitize; then
-  for op in $([ "$OPS" = all ] && python3 -c "from kernelkit.ops import registry; print(' '.join(sorted(registry.all_ops())))" || echo $OPS); do
-    log "compute-sanitizer memcheck: $op"
-    KERNELKIT_TUNE=first timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $KK check "$op" --small --trials 1 \
-      >"$RES/sanitize-$op.log" 2>&1; echo "$op memcheck rc=$?" | tee -a "$RES/sanitize.txt"
-    tail -3 "$RES/sanitize-$op.log"
-  done
-fi
+if [ -n "$sanitize_pid" ]; then wait $sanitize_pid; log "memcheck done"; sort "$RES/sanitize.txt"; fi
 if has bench; then
   for op in $([ "$OPS" = all ] && echo all || echo $OPS); do
     log "bench $op"
@@ -68,6 +79,13 @@ if has host && [ -d .base/src ]; then
 fi
 if has flce && [ -f benchmarks/linear_cross_entropy.py ]; then
   log "fused linear cross-entropy"; timeout 420 python3 benchmarks/linear_cross_entropy.py --out "$RES/linear_cross_entropy.json" 2>&1 | tee "$RES/flce.log" | tail -30
+fi
+if has gemm && [ -f benchmarks/gemm.py ]; then
+  log "GEMM vs cuBLAS"; timeout ${GEMM_TIMEOUT:-420} python3 benchmarks/gemm.py --out "$RES/gemm.json" ${GEMM_FLAGS:-} 2>&1 | tee "$RES/gemm.log" | tail -40
+fi
+if has latency; then
+  log "first-call latency, cold vs warm tuning cache"
+  timeout ${LATENCY_TIMEOUT:-300} python3 scripts/tune_latency.py ${LATENCY_OPS:-} --json "$RES/tune_latency.json" 2>&1 | tee "$RES/tune_latency.log" | tail -20
 fi
 if has model; then
   log "bench model"; timeout ${MODEL_TIMEOUT:-590} $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40

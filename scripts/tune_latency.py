@@ -56,8 +56,10 @@ def run_case(op: str, kk_cache: str, triton_cache: str) -> dict:
     env.update(KERNELKIT_CACHE=kk_cache, TRITON_CACHE_DIR=triton_cache)
     out = subprocess.run([sys.executable, __file__, "--child", op, repr(shape), dtype], env=env,
                          capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["failed"]}
+    if out.returncode != 0:  # the exception's line, not torch's hints after it (TORCH_USE_CUDA_DSA, ...)
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+        return {"error": errors[-2:] or lines[-3:] or ["failed"]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

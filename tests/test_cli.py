@@ -7,8 +7,11 @@ import torch
 from typer.testing import CliRunner
 
 from kernelkit.cli import app
+from tests.conftest import INTERPRET
 
 runner = CliRunner()
+# check's device for the tests that run kernels: the interpreter when the suite runs under it, else the GPU
+DEV = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 
 def test_doctor_without_gpu_says_so_and_shows_datasheet(monkeypatch, tmp_path):
@@ -31,9 +34,9 @@ def test_bench_refuses_without_gpu(monkeypatch):
     assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
 
 
-def test_check_runs_the_harness_on_cpu(monkeypatch):
+def test_check_runs_the_harness(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "1"])
+    res = runner.invoke(app, ["check", "rms_norm", "--device", DEV, "--dtype", "float32", "--trials", "1"])
     assert res.exit_code == 0, res.output
     assert "ok" in res.output
 
@@ -47,7 +50,7 @@ def test_python_dash_m_kernelkit_runs_the_cli():
 @pytest.mark.parametrize("trials", ["0", "-1"])
 def test_check_refuses_fewer_than_one_trial(monkeypatch, trials):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", trials])
+    res = runner.invoke(app, ["check", "rms_norm", "--device", DEV, "--dtype", "float32", "--trials", trials])
     assert res.exit_code == 2, res.output
     assert "--trials" in res.output and "ok" not in res.output
 
@@ -66,7 +69,7 @@ def test_check_reports_how_many_checks_trials_and_failures(monkeypatch):
     from kernelkit.ops import registry
 
     n = len(registry.get("rms_norm").test_shapes)
-    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--small", "--dtype", "float32",
+    res = runner.invoke(app, ["check", "rms_norm", "--device", DEV, "--small", "--dtype", "float32",
                               "--trials", "1"])
     assert res.exit_code == 0, res.output
     assert re.search(rf"{n} checks \(op x dtype x shape\), 1 trial\(s\) each, {n} trials in all; 1 layout checks, "
@@ -79,7 +82,7 @@ def test_check_counts_failures_and_exits_1(monkeypatch):
     from kernelkit.testing.correctness import CheckReport
 
     monkeypatch.setattr(testing, "check_spec", lambda *a, **k: CheckReport(failures=["out: mismatch"]))
-    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--trials", "3",
+    res = runner.invoke(app, ["check", "rms_norm", "--device", DEV, "--dtype", "float32", "--trials", "3",
                               "--no-layouts"])
     assert res.exit_code == 1, res.output
     assert re.search(r"(\d+) checks .*3 trial\(s\) each, \d+ trials in all; 0 layout checks, 0 layout cases: \1 failed",
@@ -104,6 +107,16 @@ def test_check_cpu_without_interpreter_says_to_set_it(monkeypatch, value):
         res = runner.invoke(app, ["check", "rms_norm", *args, "--dtype", "float32", "--trials", "1"])
         assert res.exit_code == 2, res.output
         assert "TRITON_INTERPRET=1" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_check_cpu_with_kernels_built_for_the_gpu_says_so(monkeypatch):
+    # TRITON_INTERPRET set after kernelkit was imported: Triton compiled the kernels for the GPU already
+    from kernelkit import tune
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tune, "kernels_interpreted", lambda: False)
+    res = runner.invoke(app, ["check", "rms_norm", "--device", "cpu", "--trials", "1"])
+    assert res.exit_code == 2 and "before the process starts" in " ".join(res.output.split()), res.output
 
 
 def test_check_unknown_op_or_device_is_a_usage_error(monkeypatch):

@@ -136,7 +136,8 @@ def test_custom_op_schema_fake_trace_and_compile(name, fn, extra, device):
 def test_backward_saves_only_the_inputs(device):
     g = torch.randn(4, 50, device=device, requires_grad=True)
     u = torch.randn(4, 50, device=device, requires_grad=True)
-    saved = mod.geglu(g, u).grad_fn.saved_tensors
+    y = mod.geglu(g, u)
+    saved = y.grad_fn.saved_tensors
     assert [t.data_ptr() for t in saved] == [g.data_ptr(), u.data_ptr()]
 
 

@@ -171,11 +171,11 @@ def test_empty_inputs(device):
     (lambda q, k, c, s: rope(q, k, c[:, :5], s[:, :5], rotary_dim=16), "last dim must be"),
     (lambda q, k, c, s: rope(q, k, c, s, offset=60), "exceeds the cos/sin table"),
     (lambda q, k, c, s: rope(q, k, c, s, offset=-1), "offset must be"),
-    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 3, dtype=torch.long)), "position_ids must have"),
-    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 5)), "int32 or int64"),
-    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 5, dtype=torch.long), offset=1), "not both"),
+    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 3, dtype=torch.long, device=q.device)), "position_ids must have"),
+    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 5, device=q.device)), "int32 or int64"),
+    (lambda q, k, c, s: rope(q, k, c, s, position_ids=torch.zeros(2, 5, dtype=torch.long, device=q.device), offset=1), "not both"),
     (lambda q, k, c, s: rope(q, k, c[None, :5].expand(2, 5, 8), s[None, :5].expand(2, 5, 8),
-                             position_ids=torch.zeros(2, 5, dtype=torch.long)), "already hold"),
+                             position_ids=torch.zeros(2, 5, dtype=torch.long, device=q.device)), "already hold"),
     (lambda q, k, c, s: rope(q, k, c, s, layout="sbhd"), "layout must be"),
 ])
 def test_bad_input_names_the_argument(call, match, device):

@@ -25,11 +25,13 @@ from kernelkit.ops.registry import OpSpec
 from kernelkit.roofline.model import Cost
 from kernelkit.tune import cache
 from kernelkit.tune import cli as tune_cli
+from tests.conftest import INTERPRET
 
 FP = {"gpu": "Fake GPU", "capability": "9.0", "sms": 132, "driver": "560.35.03", "cuda": "13.0", "torch": "2.13.0",
       "triton": "3.6.0", "kernelkit": "0.1.0"}
 OTHER_FP = {**FP, "gpu": "Other GPU", "sms": 114}
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"  # the `device` fixture's choice
 
 
 @triton.jit
@@ -60,8 +62,8 @@ def make_kernel(bench, configs=CONFIGS):
 
 
 def run(kernel, n=8, key="k"):
-    x = torch.arange(1, n + 1, dtype=torch.float32)
-    y = torch.zeros(n)
+    x = torch.arange(1, n + 1, dtype=torch.float32, device=DEVICE)
+    y = torch.zeros(n, device=DEVICE)
     tune.launch(kernel, (1,), (key, n), x, y, n, BLOCK=16)
     return (y / x).unique().tolist()  # the SCALE that ran
 
@@ -79,6 +81,7 @@ def tuning(tmp_path, monkeypatch, device):
     """A fresh cache folder, this 'machine' = FP, and `launch` on its GPU path (persisting)."""
     monkeypatch.setenv("KERNELKIT_CACHE", str(tmp_path))
     monkeypatch.delenv("KERNELKIT_TUNE_CACHE", raising=False)
+    monkeypatch.delenv("KERNELKIT_TUNE", raising=False)  # scripts/gpu_check.sh may run the suite under =first
     monkeypatch.setattr(cache, "fingerprint", lambda: dict(FP))
     monkeypatch.setattr(tune, "interpreting", lambda: False)
     monkeypatch.setattr(cache, "_loaded", {})
@@ -319,7 +322,7 @@ def cli_app(tuning, monkeypatch):
         name="scale_test", fn=_scale_op, reference=lambda x: 3 * x, cost=lambda *a, **k: Cost(0, 0, "fp32"),
         make_inputs=lambda shape, dtype, device, generator=None: ((torch.ones(shape, dtype=dtype, device=device),), {}),
         bench_shapes=[(8,)]))
-    monkeypatch.setattr(tune_cli, "_device", lambda: "cpu")
+    monkeypatch.setattr(tune_cli, "_device", lambda: DEVICE)
     monkeypatch.setattr(tune_cli, "_here", lambda: dict(FP))
     app = typer.Typer()
     app.command("tune")(tune_cli.tune_command)

@@ -220,9 +220,12 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         console.print(f"[red]--device {device}: no CUDA GPU is visible[/]; "
                       "run on a GPU, or use --device cpu with TRITON_INTERPRET=1.", soft_wrap=True)
         raise typer.Exit(2)
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from .tune import kernels_interpreted
+
+    if device == "cpu" and (os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not kernels_interpreted()):
         console.print("[red]--device cpu runs the kernels in Triton's interpreter[/]: "
-                      "set TRITON_INTERPRET=1 (e.g. TRITON_INTERPRET=1 kernelkit check ...).", soft_wrap=True)
+                      "set TRITON_INTERPRET=1 before the process starts (e.g. TRITON_INTERPRET=1 kernelkit check ...); "
+                      "Triton reads it as kernelkit is imported.", soft_wrap=True)
         raise typer.Exit(2)
     try:
         specs = [registry.get(n) for n in (sorted(registry.all_ops()) if op == "all" else [op])]

@@ -470,7 +470,8 @@ def _pending_work(s: _Session) -> Finding:
                                              f"right after a device synchronize it is correct: the candidate left "
                                              f"work running on another stream")
     if problem_early:
-        return Finding("pending work", FAIL, f"{problem_early} (also after a device synchronize)")
+        late = "the same" if problem_late == problem_early else problem_late
+        return Finding("pending work", FAIL, f"read as the call returned: {problem_early}; after a device synchronize: {late}")
     return Finding("pending work", PASS, "outputs complete on the current stream when the call returns")
 
 

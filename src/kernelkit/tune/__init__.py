@@ -24,6 +24,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_BUILT_INTERPRETED = interpreting()
+
+
+def kernels_interpreted() -> bool:
+    """Whether kernelkit's kernels run in Triton's interpreter. Triton decides as each kernel is defined,
+    so this is TRITON_INTERPRET as kernelkit was imported: setting it later does not make them run on CPU
+    tensors (they stay compiled for the GPU)."""
+    return _BUILT_INTERPRETED
+
+
 def autotune(configs: list, key: list[str], **kwargs):
     """`triton.autotune`; one config under the interpreter, and the first config the pruner keeps when
     KERNELKIT_TUNE=first (GPU correctness runs, where timing every config of every shape costs minutes)."""
