@@ -57,8 +57,18 @@ if has test; then
   mark=(); [ -n "${TEST_MARK:-}" ] && mark=(-m "$TEST_MARK")
   workers=(); [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
   log "pytest ${workers[*]} ${mark[*]} ${sel[*]}"
-  KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${workers[@]}" "${mark[@]}" -p no:cacheprovider --timeout=300 \
-    --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+  if [ ${#workers[@]} -gt 0 ]; then  # in parallel, then the tests marked alone (timings, memory) by themselves
+    KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${workers[@]}" \
+      -m "${TEST_MARK:+$TEST_MARK and }not alone" -p no:cacheprovider --timeout=300 \
+      --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+    log "pytest -m alone ${sel[*]}"
+    KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q -m "${TEST_MARK:+$TEST_MARK and }alone" \
+      -p no:cacheprovider --timeout=300 --junitxml="$RES/pytest-gpu-alone.xml" "${sel[@]}" 2>&1 \
+      | tee "$RES/pytest-gpu-alone.log" | tail -25
+  else
+    KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${mark[@]}" -p no:cacheprovider --timeout=300 \
+      --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
+  fi
 fi
 if [ -n "$sanitize_pid" ]; then wait $sanitize_pid; log "memcheck done"; sort "$RES/sanitize.txt"; fi
 if has bench; then
@@ -73,7 +83,7 @@ if has host && [ -d .base/src ]; then
   for round in $(seq 1 ${HOST_ROUNDS:-2}); do  # interleaved, twice by default: drift of the host's speed shows up as disagreement between rounds
     for tree in .base/src src; do
       log "host time per call ($tree, round $round)"
-      PYTHONPATH=$PWD/$tree timeout ${HOST_TIMEOUT:-150} python3 scripts/host_time.py $HOST_OPS 2>&1 | tee -a "$RES/host.log"
+      PYTHONPATH=$PWD/$tree KERNELKIT_TUNE=first timeout ${HOST_TIMEOUT:-150} python3 scripts/host_time.py $HOST_OPS 2>&1 | tee -a "$RES/host.log"
     done
   done
 fi

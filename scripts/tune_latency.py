@@ -67,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ops", nargs="*", default=list(CASES))
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--cases", default="cold,tuned, cold,cold, compiled,warm".replace(", ", "~"),
+                    help="which cases, comma-separated (a case's own ', ' written '~'): e.g. cold,warm")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -81,6 +83,8 @@ def main() -> None:
                                  ("tuned, cold", d["kk_cold"], d["tr_fresh"]),
                                  ("cold, compiled", d["kk_fresh"], d["tr_cold"]),
                                  ("warm", d["kk_cold"], d["tr_cold"])):
+                if name not in [c.replace("~", ", ") for c in a.cases.split(",")]:
+                    continue
                 rows.append({"op": op, "shape": str(CASES[op][0]), "case": name, **run_case(op, kk, tr)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     head = f"{'op':14} {'shape':24} {'case':15} {'first call s':>12} {'2nd call ms':>11} {'tuning s':>9} " \

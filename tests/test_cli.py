@@ -121,7 +121,7 @@ def test_check_cpu_with_kernels_built_for_the_gpu_says_so(monkeypatch):
 
 def test_check_unknown_op_or_device_is_a_usage_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    res = runner.invoke(app, ["check", "no_such_op", "--device", "cpu"])
+    res = runner.invoke(app, ["check", "no_such_op", "--device", DEV])
     assert res.exit_code == 2 and "no op named 'no_such_op'" in res.output
     res = runner.invoke(app, ["check", "rms_norm", "--device", "tpu"])
     assert res.exit_code == 2 and "use cuda or cpu" in res.output

@@ -432,6 +432,7 @@ def test_gpu_class_weights_at_llm_vocab(grad_in_forward):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone  # 8192 x 128256 logits, their fp32 copy and gradients: ~20 GB
 def test_gpu_matches_torch_at_bench_shape():
     x, t = _inputs(8192, 128256, "cuda", dtype=torch.bfloat16)
     x.requires_grad_()
@@ -441,7 +442,7 @@ def test_gpu_matches_torch_at_bench_shape():
     want = F.cross_entropy(xr, t)
     want.backward()
     torch.testing.assert_close(loss.float(), want, rtol=1e-2, atol=1e-3)
-    assert rel_error(x.grad, xr.grad) < 1e-2
+    assert float((x.grad.float() - xr.grad).norm() / xr.grad.norm()) < 1e-2  # fp32: a float64 copy is 8 GB
 
 
 @pytest.mark.gpu

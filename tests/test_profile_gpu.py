@@ -13,7 +13,7 @@ from kernelkit.profile import profile
 from kernelkit.profile.examples import build_example
 from kernelkit.profile.report import write_reports
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # kernel times and ceilings: alone on the GPU
 
 
 class _Gemm(nn.Module):

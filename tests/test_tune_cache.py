@@ -432,6 +432,7 @@ def test_gpu_rms_norm_tuning_survives_a_restart(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_gpu_first_call_latency_cold_vs_warm(tmp_path):
     sys.path.insert(0, str(REPO / "scripts"))
     try:

@@ -30,6 +30,8 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
 
 def number(v, name: str, *, low: float | None = None, finite: bool = True, allow_bool: bool = False) -> float:
     """A Python (or 0-dim tensor) real number as float, with an error naming the argument otherwise."""
+    if type(v) is float and math.isfinite(v) and (low is None or v >= low):  # the common case, first
+        return v
     if isinstance(v, bool) and not allow_bool or not isinstance(v, (int, float)):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex() and not v.is_meta:
             v = v.item()
