@@ -108,6 +108,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           layers: Optional[int] = typer.Option(2, help="bench model: decoder layers (default 2; 0 keeps the config's)"),
           batch: int = typer.Option(4, help="bench model: sequences per step"),
           seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
+          steps: int = typer.Option(5, min=1, help="bench model: timed steps per variant (the median is reported)"),
           variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
                                        help="bench model: comma list of variants")):
     """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors.
@@ -130,7 +131,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
             raise typer.Exit(2)
         with console.status("") as status:
             rows = run_model_bench(example, str(config) if config else None, layers or None, batch, seq,
-                                   variants=chosen, out=out,
+                                   steps=steps, variants=chosen, out=out,
                                    progress=lambda v: status.update(f"[bold]bench model[/]: {v} (own process)"))
         print_rows(rows, console)
         console.print(f"wrote {out / 'model.json'} and {out / 'model.png'}")
@@ -356,6 +357,25 @@ def _check_files(candidate: Path, reference: Optional[Path], device: Optional[st
         return
     console.print(f"[red]{len(report.failed)} check(s) failed: {', '.join(report.failed)}[/]", soft_wrap=True)
     raise typer.Exit(1)
+
+
+@app.command()
+def ladder(kind: Optional[str] = typer.Argument(None, help="sgemm (fp32 on the CUDA cores) or hgemm (bf16 on the "
+                                                         "tensor cores)"),
+           size: int = typer.Option(4096, help="M = N = K"),
+           json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows (and signatures) here"),
+           plot: Optional[Path] = typer.Option(None, "--plot", help="write a bar chart of the rungs (PNG) here"),
+           no_ncu: bool = typer.Option(False, "--no-ncu", help="skip the Nsight Compute signatures"),
+           rungs: Optional[str] = typer.Option(None, "--rungs", help="comma list of rungs (default: all)"),
+           list_rungs: bool = typer.Option(False, "--list", help="print the rungs and what each changes (no GPU "
+                                                                 "needed)")):
+    """The matmul optimization ladder: each rung a real kernel, checked against float64, timed next to cuBLAS,
+    with the profiler counters that show its step landed. Exit 1 when a rung is wrong or fails, 2 for usage."""
+    from .ladder.run import main
+
+    code = main(kind, size, json_out, plot, not no_ncu, rungs, list_rungs, console)
+    if code:
+        raise typer.Exit(code)
 
 
 from .tune.cli import tune_command  # noqa: E402

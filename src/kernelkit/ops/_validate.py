@@ -79,7 +79,7 @@ def rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
 def vector(w: torch.Tensor, name: str, n: int) -> torch.Tensor:
     """A (n,) parameter with unit stride, as kernels index it: a stepped slice, a column of a 2-D
     parameter or an expanded (stride-0) vector is copied; an offset view is taken as it is."""
-    if tuple(w.shape) != (n,):
+    if w.shape != (n,):
         raise ValueError(f"{name} must have shape ({n},) to match x's last dim, got {tuple(w.shape)}")
     if n > 1 and w.stride(0) != 1:
         return _copied(w)
