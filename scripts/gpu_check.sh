@@ -3,7 +3,7 @@
 # kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
 # (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,latency,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,latency,demo,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
 # The test stage runs the whole suite on the GPU (the CPU suite's edge cases through the real compiler, plus
 # the gpu-marked tests); TEST_MARK=gpu narrows it to the gpu-marked ones. The host stage compares host time
 # per call with a baseline tree carried in .base/src (git worktree add .base <commit>), when present.
@@ -96,6 +96,12 @@ fi
 if has latency; then
   log "first-call latency, cold vs warm tuning cache"
   timeout ${LATENCY_TIMEOUT:-300} python3 scripts/tune_latency.py ${LATENCY_OPS:-} --json "$RES/tune_latency.json" 2>&1 | tee "$RES/tune_latency.log" | tail -20
+fi
+if has demo; then  # make demo's check on a new machine: no tuning cache, no compiled kernels
+  log "kernelkit check all, cold caches"
+  t0=$(date +%s)
+  KERNELKIT_CACHE=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-300} $KK check all 2>&1 | tee "$RES/demo-check.log" | tail -25
+  echo "check all, cold: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s" | tee -a "$RES/demo-check.log" "$RES/steps.log"
 fi
 if has model; then
   log "bench model"; timeout ${MODEL_TIMEOUT:-590} $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40

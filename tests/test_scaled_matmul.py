@@ -1,0 +1,311 @@
+"""kernelkit.scaled_matmul: fp8 GEMM with tensorwise, rowwise and 1x128 / 128x128 block scales against float64."""
+
+import pytest
+import torch
+import triton
+
+import kernelkit
+from kernelkit.ops import registry
+from kernelkit.ops import scaled_matmul as S
+from kernelkit.testing.correctness import check
+from kernelkit.testing.layouts import check_layouts, relayout
+from tests.conftest import INTERPRET
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SPEC = registry.get("scaled_matmul")
+TOL = {torch.float32: 1e-5 if INTERPRET else 1e-3, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# (a's quantization block, w's) per recipe; w is (N, K), b = w.t(). 0: the whole dim.
+RECIPES = {"tensorwise": ((0, 0), (0, 0)), "rowwise": ((1, 0), (1, 0)), "1x128,128x128": ((1, 128), (128, 128)),
+           "1x128,128x1": ((1, 128), (1, 128)), "128x128,128x1": ((128, 128), (1, 128)),
+           "128x128,128x128": ((128, 128), (128, 128)),
+           "rowwise,tensorwise": ((1, 0), (0, 0)), "1x128,tensorwise": ((1, 128), (0, 0))}
+
+
+def _quantized(m, k, n, recipe, dtypes=(E4M3, E4M3), device="cpu", seed=0, spread=6):
+    """(a, b, scale_a, scale_b): x (M, K) and w (N, K) with per-block magnitudes 2^[-spread, spread] (so
+    block scales differ by up to 2^(2 spread)), quantized per `recipe`; b = wq.t() is column-major."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    a_block, w_block = RECIPES[recipe]
+
+    def source(rows, cols, block):
+        x = torch.randn((rows, cols), generator=g, device=device)
+        br, bc = block[0] or rows, block[1] or cols
+        e = torch.randint(-spread, spread + 1, (-(-rows // br), -(-cols // bc)), generator=g, device=device)
+        return x * torch.exp2(e.float()).repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+    aq, sa = S.quantize(source(m, k, a_block), a_block, dtypes[0])
+    wq, sw = S.quantize(source(n, k, w_block), w_block, dtypes[1])
+    if a_block == (0, 0):
+        sa = sa.reshape(())
+    if w_block == (0, 0):
+        sw = sw.reshape(1)  # torch takes () and (1,) alike
+    return aq, wq.t(), sa, sw.t() if sw.dim() == 2 else sw
+
+
+def _expand(scale, rows, cols, block):
+    """scale broadcast to (rows, cols) for one scale per `block` (0: the whole dim), written independently
+    of the op's own shape inference."""
+    br, bc = block[0] or rows, block[1] or cols
+    s = scale.double().reshape(-(-rows // br), -(-cols // bc))
+    return s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def _want(a, b, sa, sb, recipe, bias=None):
+    """The float64 product of the dequantized operands: the reference, from the recipe (not the shapes)."""
+    a_block, w_block = RECIPES[recipe]
+    (m, k), n = a.shape, b.shape[1]
+    sb_nk = sb.t() if sb.dim() == 2 else sb  # back to w's (N, K) orientation
+    out = (a.double() * _expand(sa, m, k, a_block)) @ (b.t().double() * _expand(sb_nk, n, k, w_block)).t()
+    return out + bias.double() if bias is not None else out
+
+
+def _run(a, b, sa, sb, recipe, bias=None, out_dtype=torch.bfloat16, **kw):
+    """check(): poisoned output, run twice; against the recipe's float64 product."""
+    want = _want(a, b, sa, sb, recipe, bias)
+    rep = check(lambda *args: S.scaled_matmul(*args, out_dtype=out_dtype, **kw), lambda *args: want,
+                (a, b, sa, sb, bias), tol=TOL[out_dtype])
+    rep.raise_if_failed()
+    return rep
+
+
+MIXED = [(r, d) for r in ("tensorwise", "rowwise", "1x128,128x128") for d in ((E5M2, E5M2), (E4M3, E5M2))]
+
+
+@pytest.mark.parametrize("recipe,dtypes", [(r, (E4M3, E4M3)) for r in RECIPES] + MIXED,
+                         ids=lambda v: "x".join(str(d)[12:] for d in v) if isinstance(v, tuple) else v)
+def test_every_recipe_against_float64(recipe, dtypes, device):
+    # Odd sizes: K = 200 ends in a partial 128-block, M and N span several tiles and a partial one.
+    a, b, sa, sb = _quantized(37, 200, 45, recipe, dtypes, device)
+    _run(a, b, sa, sb, recipe, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 200, 45), (37, 1, 45), (1, 1, 1), (5, 129, 33), (70, 300, 3), (130, 64, 140)])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "1x128,128x128", "128x128,128x1"])
+def test_odd_shapes(m, k, n, recipe, device):
+    a, b, sa, sb = _quantized(m, k, n, recipe, device=device, seed=m + k + n)
+    _run(a, b, sa, sb, recipe, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(torch.float32, None), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("fast", [False, True])
+def test_bias_out_dtypes_and_fast_accum(out_dtype, bias_dtype, fast, device):
+    a, b, sa, sb = _quantized(37, 200, 45, "rowwise", device=device, spread=0)
+    bias = None if bias_dtype is None else torch.randn(45, device=device).to(bias_dtype)
+    _run(a, b, sa, sb, "rowwise", bias, out_dtype, use_fast_accum=fast)
+    out = S.scaled_matmul(a, b, sa, sb, bias, out_dtype, use_fast_accum=fast)
+    assert out.dtype == out_dtype and out.shape == (37, 45)
+
+
+@pytest.mark.parametrize("layout", ["col_major", "row_major", "row_padded", "a_col_major", "scales_transposed"])
+def test_operand_layouts_read_through_strides(layout, device):
+    # torch._scaled_mm takes only row-major a and column-major b; here every layout reads as it is.
+    a, b, sa, sb = _quantized(37, 200, 45, "1x128,128x128", device=device)
+    if layout == "row_major":
+        b = b.contiguous()
+    elif layout == "row_padded":
+        a, b = relayout(a, "row_padded"), relayout(b.contiguous(), "row_padded")
+    elif layout == "a_col_major":
+        a = a.t().contiguous().t()
+    elif layout == "scales_transposed":  # scale_a unit-stride along M: DeepGEMM's and cuBLAS's layout
+        sa, sb = sa.t().contiguous().t(), sb.contiguous()
+    _run(a, b, sa, sb, "1x128,128x128")
+
+
+@pytest.mark.parametrize("b_layout", ["col_major", "row_major"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "1x128,128x128"])
+def test_tma_descriptor_path(b_layout, recipe, device, monkeypatch):
+    # The sm_90 path loads tiles through TMA descriptors; the interpreter runs it when forced. Aligned sizes
+    # (descriptor strides are multiples of 16 bytes); M, N and K still end in partial tiles.
+    a, b, sa, sb = _quantized(40, 208, 48, recipe, device=device)
+    if b_layout == "row_major":
+        b = b.contiguous()
+    monkeypatch.setattr(S, "USE_TMA", True)
+    assert S._tma_layout(a, b) == (True, b_layout == "col_major")
+    _run(a, b, sa, sb, recipe)
+    # Unaligned layouts fall back to pointers even when TMA is asked for.
+    assert not S._tma_layout(relayout(a, "misaligned"), b)[0]
+    a2, b2, _, _ = _quantized(40, 200, 48, recipe, device=device)
+    assert not S._tma_layout(a2, b2)[0]  # a's rows 200 bytes apart
+    assert not S._tma_layout(a, b[:, :36].contiguous())[0]  # a row-major b's rows 36 bytes apart
+
+
+def test_block_scales_apply_per_128_block(device):
+    # Each 128-block of K (and of M or N) gets a scale 2^6 to 2^24 apart from its neighbours, on all-ones
+    # operands: scales applied per block of any other size, or with rows and columns mixed up, land far off.
+    k = 2 * 128 + 40
+    kb = 3
+    for recipe, m, n in (("1x128,128x128", 33, 200), ("128x128,128x1", 130, 24)):
+        a = torch.ones(m, k, device=device).to(E4M3)
+        b = torch.ones(n, k, device=device).to(E4M3).t()
+        steps = torch.tensor([0.0, 12, -12, 6, -6], device=device)
+        if recipe == "1x128,128x128":
+            sa = torch.exp2(steps[torch.arange(m * kb, device=device) % 5].reshape(m, kb))
+            sb = torch.exp2(steps[torch.arange(kb * 2, device=device) % 4].reshape(kb, 2))
+        else:
+            sa = torch.exp2(steps[torch.arange(2 * kb, device=device) % 5].reshape(2, kb))
+            sb = torch.exp2(steps[torch.arange(kb * n, device=device) % 5].reshape(kb, n))
+        _run(a, b, sa, sb, recipe, out_dtype=torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="sets the interpreter's tile")
+@pytest.mark.parametrize("k", [100, 200])
+def test_scale_blocks_smaller_than_the_tile(k, device, monkeypatch):
+    # GPU tiles reach 256 rows or columns, more than a 128x128 scale block: the scales then change inside the
+    # tile, in the epilogue (K <= 128: one K block) and in the K loop.
+    big = triton.Config({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 1}, num_warps=4)
+    monkeypatch.setattr(S.scaled_matmul_kernel, "configs", [big])
+    a, b, sa, sb = _quantized(300, k, 270, "128x128,128x128", device=device)
+    _run(a, b, sa, sb, "128x128,128x128", out_dtype=torch.float32)
+
+
+def test_empty_and_zero_k(device):
+    a, b, sa, sb = _quantized(5, 64, 7, "rowwise", device=device)
+    assert S.scaled_matmul(a[:0], b, sa[:0], sb).shape == (0, 7)
+    assert S.scaled_matmul(a, b[:, :0], sa, sb[:, :0]).shape == (5, 0)
+    bias = torch.randn(7, device=device)
+    out = S.scaled_matmul(a[:, :0], b[:0], sa, sb, bias, torch.float32)
+    torch.testing.assert_close(out, bias.expand(5, 7))
+    assert (S.scaled_matmul(a[:, :0], b[:0], sa, sb) == 0).all()
+
+
+def _bad(device):
+    a, b, sa, sb = _quantized(8, 256, 16, "1x128,128x128", device=device)
+    return a, b, sa, sb
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a, b, sa, sb: (a.float(), b, sa, sb), TypeError, "a has dtype float32; supported: float8_e4m3fn"),
+    (lambda a, b, sa, sb: (a, b.to(torch.bfloat16), sa, sb), TypeError, "b has dtype bfloat16"),
+    (lambda a, b, sa, sb: (a, b[:128], sa, sb), ValueError, r"b must have shape \(256, N\)"),
+    (lambda a, b, sa, sb: (a[None], b, sa, sb), ValueError, "a must be 2-D"),
+    (lambda a, b, sa, sb: (a, b, sa.double(), sb), TypeError, "scale_a has dtype float64; supported: float32"),
+    (lambda a, b, sa, sb: (a, b, sa, sb.half()), TypeError, "scale_b has dtype float16"),
+    (lambda a, b, sa, sb: (a, b, sa[:, :1].repeat(1, 3), sb), ValueError,
+     r"scale_a must have shape .*\(8, 1\) \(rowwise\), \(8, 2\) \(1x128 blocks\) or \(1, 2\).*got \(8, 3\)"),
+    (lambda a, b, sa, sb: (a, b, sa, sb.t()), ValueError,
+     r"scale_b must have shape .*\(1, 16\) \(one per column\), \(2, 16\) \(128x1 blocks\) or \(2, 1\).*got \(1, 2\)"),
+    (lambda a, b, sa, sb: (a, b, sa[:, 0], sb), ValueError, r"scale_a must have shape.*got \(8,\)"),
+    (lambda a, b, sa, sb: (a, b, torch.ones(1, 1, 1), sb), ValueError, r"scale_a must have shape.*got \(1, 1, 1\)"),
+])
+def test_bad_inputs_name_the_argument(change, exc, match, device):
+    args = change(*_bad(device))
+    with pytest.raises(exc, match=match):
+        S.scaled_matmul(*args)
+
+
+def test_bad_options_and_grad(device):
+    a, b, sa, sb = _bad(device)
+    with pytest.raises(ValueError, match=r"bias must have shape \(16,\)"):
+        S.scaled_matmul(a, b, sa, sb, torch.zeros(15, device=device))
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="use_fast_accum must be a bool"):
+        S.scaled_matmul(a, b, sa, sb, use_fast_accum=1)
+    with pytest.raises(ValueError, match="scale_a requires grad, but kernelkit.scaled_matmul has no backward"):
+        S.scaled_matmul(a, b, sa.requires_grad_(), sb)
+    with torch.no_grad():  # without grad mode the result is plain inference
+        assert not S.scaled_matmul(a, b, sa, sb).requires_grad
+
+
+def test_meta_and_public_api():
+    a, b, sa, sb = _quantized(37, 200, 45, "1x128,128x128")
+    out = kernelkit.scaled_matmul(*(t.to("meta") for t in (a, b, sa, sb)), out_dtype=torch.float16)
+    assert out.device.type == "meta" and out.shape == (37, 45) and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_layout_fuzz_of_the_epilogue_recipes(recipe, device):
+    # tests/test_layouts.py fuzzes the registry's layout shape (block scales); here the other two recipes.
+    report, cases = check_layouts(SPEC, "float32", device, shape=(19, 136, 21, recipe))
+    assert cases >= 15
+    report.raise_if_failed()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="records launches through the Triton interpreter")
+def test_hopper_tiles_and_tma_compile_for_sm90(device, monkeypatch):
+    # The interpreter runs 32x32x64 pointer tiles; the H100 runs 128-wide tiles through TMA descriptors.
+    # Compile those (each recipe, both b layouts) for sm_90 through Triton's real compiler.
+    from kernelkit.testing import compile_check
+
+    monkeypatch.setattr(S, "USE_TMA", True)
+    records = []
+    with compile_check.record_launches(records):
+        for recipe, fast in (("tensorwise", True), ("rowwise", False), ("1x128,128x128", False)):
+            a, b, sa, sb = _quantized(64, 256, 64, recipe, device=device)
+            S.scaled_matmul(a, b, sa, sb, torch.zeros(64, device=device), use_fast_accum=fast)
+        S.scaled_matmul(a, b.contiguous(), sa, sb)
+    for r, (bm, bn, warps) in zip(records, ((128, 256, 8), (128, 128, 8), (128, 128, 8), (64, 128, 4))):
+        assert r["args"]["USE_TMA"]["value"]
+        r["args"].update(BLOCK_M={"value": bm}, BLOCK_N={"value": bn}, BLOCK_K={"value": 128}, GROUP_M={"value": 8})
+        r["options"] = {"num_warps": warps, "num_stages": 3}
+    failures = compile_check.compile_in_subprocess(records)
+    assert not failures, "\n".join(failures)
+
+
+# --- GPU only: against cuBLAS, specials, and the tensor cores' accumulation ---
+
+def _cuda_fp8():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "1x128,128x128"])
+@pytest.mark.parametrize("fast", [False, True])
+def test_matches_torch_scaled_mm(recipe, fast):
+    _cuda_fp8()
+    a, b, sa, sb = _quantized(256, 1024, 384, recipe, device="cuda")
+    bias = torch.randn(384, device="cuda").to(torch.bfloat16)
+    try:
+        want = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    except (RuntimeError, ValueError) as e:  # this torch / cuBLAS lacks the recipe (blocks: cuBLAS 12.9+, sm_90)
+        pytest.skip(f"torch._scaled_mm: {str(e)[:200]}")
+    got = S.scaled_matmul(a, b, sa, sb, bias, use_fast_accum=fast)
+    exact = _want(a, b, sa, sb, recipe, bias)
+    err_ours = ((got.double() - exact).norm() / exact.norm()).item()
+    err_torch = ((want.double() - exact).norm() / exact.norm()).item()
+    assert err_ours <= max(2 * err_torch, 4e-3), (err_ours, err_torch)
+
+
+@pytest.mark.gpu
+def test_precise_accumulation_over_long_k():
+    # Hopper's fp8 MMA sums in fewer bits than fp32: use_fast_accum=False adds each K tile's partial
+    # product in fp32, so its error must stay near fp32 rounding over K = 16384; fast accumulation may not.
+    _cuda_fp8()
+    a, b, sa, sb = _quantized(128, 16384, 256, "rowwise", device="cuda", spread=0)
+    exact = _want(a, b, sa, sb, "rowwise")
+    errs = {}
+    for fast in (False, True):
+        got = S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=fast)
+        errs[fast] = ((got.double() - exact).norm() / exact.norm()).item()
+    assert errs[False] < 5e-4, errs
+    assert errs[False] <= errs[True] * 1.5 + 1e-6, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "1x128,128x128"])
+def test_nan_and_inf_propagate(recipe):
+    # The interpreter decodes fp8 NaN/Inf as finite numbers; the tensor cores do not.
+    _cuda_fp8()
+    a, b, sa, sb = _quantized(64, 256, 64, recipe, (E5M2, E4M3), device="cuda")
+    a = a.clone()
+    a.view(torch.uint8)[3, 5] = 0x7F  # e5m2 NaN
+    a.view(torch.uint8)[7, 9] = 0x7C  # e5m2 +Inf
+    out = S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32)
+    assert torch.isnan(out[3]).all()
+    assert (torch.isinf(out[7]) | (b[9] == 0)).all() and not torch.isinf(out[7]).logical_and(b[9] == 0).any()
+    rest = torch.ones(64, dtype=torch.bool, device="cuda")
+    rest[[3, 7]] = False
+    assert torch.isfinite(out[rest]).all()
+
+
+@pytest.mark.gpu
+def test_tma_and_pointer_paths_agree(monkeypatch):
+    _cuda_fp8()
+    a, b, sa, sb = _quantized(512, 1024, 768, "1x128,128x128", device="cuda")
+    outs = []
+    for tma in (True, False):
+        monkeypatch.setattr(S, "USE_TMA", tma)
+        outs.append(S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
