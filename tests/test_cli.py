@@ -72,6 +72,8 @@ def test_check_reports_how_many_checks_trials_and_failures(monkeypatch):
     res = runner.invoke(app, ["check", "rms_norm", "--device", DEV, "--small", "--dtype", "float32",
                               "--trials", "1"])
     assert res.exit_code == 0, res.output
+    # a line as each op starts and ends: in a log, where no live progress bar shows, the run never looks hung
+    assert "checking rms_norm (1 of 1) ..." in res.output and re.search(r"rms_norm: \d+ checks, ok in", res.output)
     assert re.search(rf"{n} checks \(op x dtype x shape\), 1 trial\(s\) each, {n} trials in all; 1 layout checks, "
                      rf"[1-9]\d* layout cases: 0 failed", res.output), res.output
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -249,7 +250,21 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                   console=console, transient=True) as bar:
         task = bar.add_task("", total=len(plan))
         tuning = _tuning_notice(lambda text: bar.update(task, description=text))
+        ops = list(dict.fromkeys(p[0].name for p in plan))
+        current, started, op_failed = None, 0.0, 0
+
+        def op_done():  # one line per op as it finishes: in a log (no live bar there) the run never looks hung
+            console.print(f"  {current}: {sum(1 for p in plan if p[0].name == current)} checks, "
+                          f"{'[red]' + str(op_failed) + ' failed[/]' if op_failed else '[green]ok[/]'} "
+                          f"in {time.perf_counter() - started:.1f} s", soft_wrap=True)
+
         for spec, dt, shape in plan:
+            if spec.name != current:
+                if current is not None:
+                    op_done()
+                current, started, op_failed = spec.name, time.perf_counter(), 0
+                if not console.is_terminal:
+                    console.print(f"checking {current} ({ops.index(current) + 1} of {len(ops)}) ...", soft_wrap=True)
             bar.update(task, description=f"{spec.name} {dt} {shape}")
             if shape == "layouts":
                 rep, cases = check_layouts(spec, dt, device)
@@ -258,10 +273,13 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
             else:
                 rep = check_spec(spec, shape, dt, device=device, trials=trials)
             failed += not rep.ok
+            op_failed += not rep.ok
             worst = max(rep.errors.values(), default=0.0)
             table.add_row(spec.name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
                           f"{worst:.2e}")
             bar.advance(task)
+        if current is not None:
+            op_done()
     console.print(table)
     if msg := tuning():
         console.print(msg)
