@@ -17,6 +17,7 @@ from .ops.glu import geglu, swiglu  # noqa: E402
 from .ops.layer_norm import layer_norm  # noqa: E402
 from .ops.linear import linear, matmul  # noqa: E402
 from .ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from .ops.moe import moe  # noqa: E402
 from .ops.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: E402
 from .ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from .ops.rope import rope  # noqa: E402
@@ -25,5 +26,5 @@ from .ops.softmax import log_softmax, softmax  # noqa: E402
 from .patch import patch, unpatch  # noqa: E402  (the functions; the package stays importable as kernelkit.patch.*)
 from .profile import profile  # noqa: E402  (the function; the package stays importable as kernelkit.profile.*)
 
-__all__ = ["nn", "attention", "rms_norm", "layer_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy", "linear", "matmul", "scaled_matmul",
+__all__ = ["nn", "attention", "rms_norm", "layer_norm", "add_rms_norm", "softmax", "log_softmax", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy", "linear", "matmul", "moe", "scaled_matmul",
            "rope", "mxfp8_quantize", "mxfp8_dequantize", "patch", "unpatch", "profile", "__version__"]

@@ -1,0 +1,210 @@
+"""kernelkit.moe (grouped-GEMM MoE layer) against torch._grouped_mm, a dense GEMM and a per-expert loop, side by
+side in one process (GPU).
+
+    PYTHONPATH=src python benchmarks/moe.py --out moe.json [--quick] [--shapes mixtral,qwen3]
+
+Shapes (tokens, hidden, intermediate, experts, top_k), bf16, inputs from the registry's make_inputs (random
+routing with built-in margins, so the experts' loads are near balanced):
+  mixtral      (8192, 4096, 14336, 8, 2)
+  qwen3        (8192, 2048, 768, 128, 8)     Qwen3-30B-A3B
+  deepseek-v3  (8192, 7168, 2048, 256, 8)    routed experts only (sigmoid scoring, renormalized)
+Rows per shape:
+  gate-up GEMM alone (forward), FLOPs 2·T·k·H·2I:
+    kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
+                       allocated once outside the timing)
+    torch._grouped_mm  the same GEMM on the pre-gathered x (the gather not timed), no epilogue (writes gate|up)
+    dense mm           one torch.mm of the same FLOPs: (T·k, H) @ (H, 2I)
+  whole layer, forward and forward+backward (all four inputs require grad), FLOPs 2·T·k·3·I·H (x3 with backward):
+    kernelkit          kernelkit.moe
+    grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
+    per-expert loop    kernelkit.ops.moe.reference in bf16 (one torch.where and two F.linear per expert, HF-style)
+Each: triton.testing.do_bench median (L2 flushed before every run), TFLOP/s and % of the datasheet bf16 dense
+peak, the ratio of kernelkit to each other row, and the peak memory one call allocates above the inputs. The
+layer rows also give kernelkit's max |err| / max |ref| against the grouped_mm layer's output. kernelkit's first
+call (autotuning) is excluded from the timings and reported as tune_s. A row that fails records its error.
+Results go to --out as JSON, rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import kernelkit
+from kernelkit.hw import lookup
+from kernelkit.ops import moe as M
+from kernelkit.ops import registry
+from kernelkit.testing.poison import empty
+from kernelkit.tune import chosen_configs
+
+SHAPES = {"mixtral": ((8192, 4096, 14336, 8, 2), "softmax"), "qwen3": ((8192, 2048, 768, 128, 8), "softmax"),
+          "deepseek-v3": ((8192, 7168, 2048, 256, 8), "sigmoid")}
+QUICK = ("mixtral", "qwen3")
+
+
+def timed(fn, rep):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, rep=rep, return_mode="median")
+
+
+def peak_mb(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def max_rel(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def grouped_mm_layer(x, router, gate_up, down, k, scoring="softmax", renormalize=True):
+    """The MoE layer in torch ops around torch._grouped_mm (what a model without a fused kernel can do)."""
+    t, hidden = x.shape
+    weights, experts = M.route(x, router, k, scoring, renormalize)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    rows = order // k
+    z = torch._grouped_mm(x[rows], gate_up.transpose(1, 2), offs=ends)
+    gate, up = z.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y[inverse].view(t, k, hidden).sum(1)
+
+
+def measure(row, name, fn, flops, rep, peak):
+    try:
+        ms = timed(fn, rep)
+        row[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_mb": peak_mb(fn)}
+        if peak:
+            row[name]["pct_bf16_peak"] = 100.0 * row[name]["tflops"] / peak
+    except Exception as e:  # noqa: BLE001 - a row that fails says why instead of ending the run
+        row[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    torch.cuda.empty_cache()
+
+
+def ratios(row, names):
+    ours = row["kernelkit"].get("ms")
+    for other in names:
+        if ours and "ms" in row.get(other, {}):
+            row[f"kernelkit_x_{other}"] = row[other]["ms"] / ours
+
+
+def gate_up_rows(label, shape, args, rep, peak):
+    x, router, gate_up, down, k = args
+    t, hidden, inter, n_exp, _ = shape
+    weights, experts = M.route(x, router, k)
+    order, offs = M._permute(experts, n_exp)
+    rows = order // k
+    x_perm = x[rows]
+    h = empty((t * k, inter), dtype=x.dtype, device=x.device)
+    dense_w = gate_up[0].t()  # (H, 2I): one expert's weight, the same FLOPs as all groups together
+    flops = 2.0 * t * k * hidden * 2 * inter
+    row = {"kind": "gate_up_gemm", "shape": label, "dims": list(shape), "flops": flops}
+    start = time.perf_counter()
+    M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")
+    torch.cuda.synchronize()
+    row["tune_s"] = round(time.perf_counter() - start, 2)
+    measure(row, "kernelkit", lambda: M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows,
+                                                      epilogue="swiglu"), flops, rep, peak)
+    measure(row, "torch._grouped_mm", lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]),
+            flops, rep, peak)
+    measure(row, "dense_mm", lambda: torch.mm(x_perm, dense_w), flops, rep, peak)
+    ratios(row, ("torch._grouped_mm", "dense_mm"))
+    return row
+
+
+def layer_rows(label, shape, scoring, args, rep, peak):
+    """The forward row, then the forward+backward row (a generator: each is reported as it is done)."""
+    x, router, gate_up, down, k = args
+    t, hidden, inter, _, _ = shape
+    kw = {"scoring": scoring}
+    leaves = [a.detach().requires_grad_() for a in (x, router, gate_up, down)]
+    dy = torch.randn_like(x)
+    impls = {"kernelkit": kernelkit.moe, "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
+    fwd_flops = 2.0 * t * k * 3 * inter * hidden
+    start = time.perf_counter()
+    torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
+    torch.cuda.synchronize()
+    tune_s = round(time.perf_counter() - start, 2)
+    for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
+        row = {"kind": f"layer_{mode}", "shape": label, "dims": list(shape), "scoring": scoring, "flops": flops,
+               "tune_s": tune_s}
+        for name, fn in impls.items():
+            if mode == "fwd":
+                call = (lambda f: lambda: f(x, router, gate_up, down, k, **kw))(fn)
+                with torch.no_grad():
+                    measure(row, name, call, flops, rep, peak)
+            else:
+                call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
+                measure(row, name, call, flops, rep, peak)
+        if mode == "fwd":
+            try:
+                with torch.no_grad():
+                    got = kernelkit.moe(x, router, gate_up, down, k, **kw)
+                    row["max_rel_err_vs_grouped_mm_layer"] = max_rel(got, grouped_mm_layer(x, router, gate_up, down,
+                                                                                           k, **kw))
+            except Exception as e:  # noqa: BLE001
+                row["max_rel_err_vs_grouped_mm_layer"] = f"{type(e).__name__}: {e}"[:200]
+        ratios(row, ("grouped_mm_layer", "per_expert_loop"))
+        yield row
+
+
+def describe(row):
+    parts = []
+    for name in ("kernelkit", "torch._grouped_mm", "dense_mm", "grouped_mm_layer", "per_expert_loop"):
+        if name in row:
+            r = row[name]
+            parts.append(f"{name} " + (f"{r['ms']:.2f} ms {r['tflops']:.0f} TF/s {r['peak_mb']:.0f} MB" if "ms" in r
+                                       else r["error"][:80]))
+    xs = [f"{k[len('kernelkit_x_'):]} {v:.2f}x" for k, v in row.items() if k.startswith("kernelkit_x_")]
+    return " | ".join(parts) + (" | kernelkit vs " + ", ".join(xs) if xs else "")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="moe.json")
+    ap.add_argument("--quick", action="store_true", help="Mixtral and Qwen3 shapes only")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    a = ap.parse_args()
+    names = a.shapes.split(",") if a.shapes else list(QUICK if a.quick else SHAPES)
+    spec = registry.get("moe")
+    datasheet = lookup(torch.cuda.get_device_name())
+    peak = datasheet.tflops.get("bf16") if datasheet else None
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "dtype": "bfloat16", "bf16_peak_tflops_datasheet": peak, "grouped_mm": hasattr(torch, "_grouped_mm")}
+    rows = []
+    plan = len(names) * 3
+    i = 0
+    for label in names:
+        shape, scoring = SHAPES[label]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        args, _ = spec.make_inputs(shape, torch.bfloat16, "cuda", gen)
+        for rows_of_shape in ([gate_up_rows(label, shape, args, a.rep, peak)],
+                              layer_rows(label, shape, scoring, args, a.rep, peak)):
+            for row in rows_of_shape:
+                i += 1
+                rows.append(row)
+                print(f"[{i}/{plan}] {row['kind']} {label} {shape}: {describe(row)}", flush=True)
+                meta["tuned_configs"] = chosen_configs()
+                Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        del args
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

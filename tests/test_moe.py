@@ -1,0 +1,302 @@
+"""kernelkit.moe / nn.MoE: the grouped-GEMM MoE layer against the float64 per-expert loop, forward and backward.
+
+Interpreter shapes are tiny and odd: hidden and intermediate not multiples of the 16-wide interpreter tiles,
+experts with more rows than one 16-row tile, empty experts, one expert taking every token."""
+
+import pytest
+import torch
+
+import kernelkit
+from kernelkit.ops import moe as M
+from kernelkit.ops import registry
+from kernelkit.testing import check, check_spec, poisoned_outputs
+
+SPEC = registry.get("moe")
+
+
+def _inputs(shape, dtype, device, seed=0):
+    args, _ = SPEC.make_inputs(shape, dtype, device, torch.Generator(device=device).manual_seed(seed))
+    return list(args)
+
+
+def _counts(args, scoring="softmax"):
+    x, router, *_rest, k = args
+    _, experts = M.route(x.reshape(-1, x.shape[-1]), router, k, scoring)
+    return torch.bincount(experts.flatten(), minlength=router.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                 ("sigmoid", False)])
+def test_forward_and_gradients_against_float64(scoring, renormalize, dtype, device):
+    args = _inputs((13, 24, 20, 4, 2), dtype, device, seed=len(scoring) + renormalize)
+    rep = check(M.moe, M.reference, args, {"scoring": scoring, "renormalize": renormalize}, grad_args=(0, 1, 2, 3),
+                tol=SPEC.tolerances.get(str(dtype)[6:]), run_twice=False)
+    rep.raise_if_failed()
+
+
+@pytest.mark.parametrize("shape", [(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (7, 16, 12, 5, 5)])
+def test_registry_shapes_fp32(shape, device):
+    # 37 tokens x 2 slots over 4 experts: ~18 rows an expert, two 16-row tiles each with a ragged tail; top_k = 1
+    # and top_k = experts (every expert takes every token).
+    check_spec(SPEC, shape, "float32", device, trials=1).raise_if_failed()
+
+
+def test_empty_experts(device):
+    args = _inputs((21, 16, 12, 6, 2), torch.float32, device, seed=3)
+    args[0][:, 1] = -8.0  # experts 1 and 4 rank last for every token
+    args[0][:, 4] = -7.5
+    counts = _counts(args)
+    assert counts[1] == 0 and counts[4] == 0 and counts.sum() == 42
+    rep = check(M.moe, M.reference, args, grad_args=(0, 1, 2, 3), run_twice=False)
+    rep.raise_if_failed()
+    gu, d = (args[i].detach().requires_grad_() for i in (2, 3))
+    M.moe(args[0], args[1], gu, d, 2).sum().backward()
+    for e in (1, 4):  # written (poison would show), and zero
+        assert not gu.grad[e].any() and not d.grad[e].any()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_all_tokens_to_one_expert(top_k, device):
+    args = _inputs((37, 16, 12, 4, top_k), torch.float32, device, seed=5)
+    args[0][:, 2] = 6.0  # expert 2 first for every token: 37 rows, three 16-row tiles
+    assert _counts(args)[2] == 37
+    check(M.moe, M.reference, args, {"renormalize": False}, grad_args=(0, 1, 2, 3), run_twice=False).raise_if_failed()
+
+
+def test_top1_renormalized_weights_are_one(device):
+    # The output is the top expert's alone and the router's gradient is zero up to rounding on both sides.
+    args = _inputs((9, 16, 12, 3, 1), torch.float32, device, seed=6)
+    rep = check(M.moe, M.reference, args, {"renormalize": True}, grad_args=(0, 2, 3), run_twice=False)
+    rep.raise_if_failed()
+    r = args[1].detach().requires_grad_()
+    M.moe(args[0], r, args[2], args[3], 1).sum().backward()
+    assert r.grad.abs().max() < 1e-6
+
+
+def test_one_token_leading_dims_and_1d(device):
+    args = _inputs((1, 24, 20, 4, 2), torch.float32, device, seed=7)
+    check(M.moe, M.reference, args, grad_args=(0, 1, 2, 3)).raise_if_failed()
+    x = _inputs((6, 24, 20, 4, 2), torch.float32, device, seed=8)[0]
+    out = M.moe(x.view(2, 3, 24), *args[1:])
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out.view(6, 24), M.moe(x, *args[1:]), rtol=0, atol=0)
+    assert M.moe(args[0][0], *args[1:]).shape == (24,)
+    assert M.moe(x[:0], *args[1:]).shape == (0, 24)
+
+
+def test_outputs_and_workspaces_fully_written(device):
+    # Every buffer the launchers allocate starts as NaN here: a row or column a kernel skipped stays NaN.
+    x, r, gu, d, k = _inputs((19, 24, 20, 4, 2), torch.float32, device, seed=9)
+    weights, experts = M.route(x, r, k)
+    with poisoned_outputs():
+        out, h, z, order, offs = M.moe_experts_fwd(x, weights, gu, d, experts, False, True)
+        grads = M.moe_experts_bwd(torch.randn_like(out), x, weights, gu, d, h, z, order, offs)
+    for t in (out, h, z, *grads):
+        assert torch.isfinite(t).all()
+    assert torch.equal(offs[[0, -1]].long(), torch.tensor([0, 38]))
+    assert torch.equal(order.sort().values, torch.arange(38))
+
+
+def test_no_host_sync(device, monkeypatch):
+    # Nothing on the host reads device data: no .item()/.tolist()/bool()/int() of a tensor, no copy to the CPU.
+    x, r, gu, d, k = (a.requires_grad_() if isinstance(a, torch.Tensor) else a
+                      for a in _inputs((11, 16, 12, 4, 2), torch.float32, device, seed=10))
+    M.moe(x, r, gu, d, k).sum().backward()  # first call: autotuning may synchronize (on the GPU)
+    state = {"armed": True}
+    real_launch = M.launch
+
+    def launch(*a, **kw):  # the interpreter itself reads its arguments on the host: disarm inside a launch
+        state["armed"] = False
+        try:
+            return real_launch(*a, **kw)
+        finally:
+            state["armed"] = True
+
+    def guarded(name):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *a, **kw):
+            if state["armed"]:
+                raise AssertionError(f"host sync: Tensor.{name} called by kernelkit.moe")
+            return real(self, *a, **kw)
+        return method
+
+    monkeypatch.setattr(M, "launch", launch)
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    y = M.moe(x, r, gu, d, k)
+    torch.autograd.backward(y, torch.ones_like(y))
+    state["armed"] = False
+    assert x.grad is not None and torch.isfinite(gu.grad).all()
+
+
+def test_bad_inputs_name_the_argument(device):
+    x, r, gu, d, k = _inputs((4, 16, 12, 3, 2), torch.float32, device)
+    cases = [
+        (lambda: M.moe(x[:, :15], r, gu, d, k), ValueError, r"router_weight must have shape \(experts, 15\)"),
+        (lambda: M.moe(x, r[:, :15], gu, d, k), ValueError, r"router_weight must have shape \(experts, 16\)"),
+        (lambda: M.moe(x, r.view(-1), gu, d, k), ValueError, "router_weight must have shape"),
+        (lambda: M.moe(x, r, gu[0], d, k), ValueError, r"gate_up_weight must have shape \(3, 2 \* intermediate, 16\)"),
+        (lambda: M.moe(x, r, gu[:, :23], d, k), ValueError, "gate_up_weight must have shape"),
+        (lambda: M.moe(x, r, gu[:2], d, k), ValueError, "gate_up_weight must have shape"),
+        (lambda: M.moe(x, r, gu, d[:, :, :11], k), ValueError, r"down_weight must have shape \(3, 16, 12\)"),
+        (lambda: M.moe(x, r, gu, d[0], k), ValueError, "down_weight must have shape"),
+        (lambda: M.moe(x, r, gu.bfloat16(), d, k), TypeError, "gate_up_weight has dtype"),
+        (lambda: M.moe(x, r, gu, d.half(), k), TypeError, "down_weight has dtype"),
+        (lambda: M.moe(x.long(), r, gu, d, k), TypeError, "x has dtype int64"),
+        (lambda: M.moe(x, r, gu, d, 4), ValueError, r"top_k must be between 1 and the number of experts \(3\)"),
+        (lambda: M.moe(x, r, gu, d, 0), ValueError, "top_k must be between 1"),
+        (lambda: M.moe(x, r, gu, d, 2.0), TypeError, "top_k must be an int"),
+        (lambda: M.moe(x, r, gu, d, True), TypeError, "top_k must be an int"),
+        (lambda: M.moe(x, r, gu, d, k, scoring="softmax_topk"), ValueError, "scoring must be one of"),
+        (lambda: M.moe(x, r, gu, d, k, renormalize=1), TypeError, "renormalize must be a bool"),
+        (lambda: M.moe(x, "r", gu, d, k), TypeError, "router_weight must be a torch.Tensor"),
+        (lambda: kernelkit.nn.MoE(16, 12, 3, 4), ValueError, "top_k must be between 1 and experts"),
+        (lambda: kernelkit.nn.MoE(16, 12, 3, 2, scoring="relu"), ValueError, "scoring must be one of"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_nn_moe_state_dict_and_forward(device):
+    torch.manual_seed(0)
+    mod = kernelkit.nn.MoE(24, 20, 4, 2, scoring="sigmoid").to(device)
+    shapes = {k: tuple(v.shape) for k, v in mod.state_dict().items()}
+    assert shapes == {"gate.weight": (4, 24), "experts.gate_up_proj": (4, 40, 24), "experts.down_proj": (4, 24, 20)}
+    x = torch.randn(2, 5, 24, device=device, requires_grad=True)
+    y = mod(x)
+    want = kernelkit.moe(x, mod.gate.weight, mod.experts.gate_up_proj, mod.experts.down_proj, 2, scoring="sigmoid")
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    y.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mod.parameters())
+    assert "scoring='sigmoid'" in repr(mod)
+
+
+def test_nn_moe_matches_transformers_mixtral_block(device):
+    # Same state_dict as transformers' fused-experts Mixtral block, same output (softmax, top-k, renormalize).
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(1)
+    block = mixtral.MixtralSparseMoeBlock(cfg).to(device).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    mod = kernelkit.nn.MoE(16, 12, 4, 2).to(device)
+    mod.load_state_dict(block.state_dict())
+    x = torch.randn(1, 9, 16, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_no_grad_path_matches_autograd_path(device):
+    args = _inputs((13, 24, 20, 4, 2), torch.float32, device, seed=11)
+    with torch.no_grad():
+        plain = M.moe(*args)
+    graph = M.moe(args[0].requires_grad_(), *args[1:])
+    assert graph.requires_grad and not plain.requires_grad
+    torch.testing.assert_close(graph.detach(), plain, rtol=0, atol=0)
+
+
+def test_custom_op_path(device):
+    # The torch.compile route: the custom op, its fake implementation, and its registered autograd.
+    x, r, gu, d, k = _inputs((9, 16, 12, 3, 2), torch.float32, device, seed=12)
+    out = M.moe(x.to("meta"), r.to("meta"), gu.to("meta"), d.to("meta"), k)
+    assert out.device.type == "meta" and out.shape == (9, 16)
+    leaves = [t.clone().requires_grad_() for t in (x, r, gu, d)]
+    weights, experts = M.route(leaves[0], leaves[1], k)
+    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True)[0]
+    y.backward(torch.ones_like(y))
+    refs = [t.double().requires_grad_() for t in (x, r, gu, d)]
+    M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64))
+    for got, want in zip(leaves, refs):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_compiles_without_graph_breaks(device):
+    x, r, gu, d, k = _inputs((5, 16, 12, 3, 2), torch.float32, device, seed=13)
+    torch._dynamo.reset()
+    fn = torch.compile(M.moe, backend="aot_eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (x, r, gu, d)]
+    y = fn(*leaves, k, scoring="sigmoid")
+    y.sum().backward()
+    want = M.reference(x.double(), r.double(), gu.double(), d.double(), k, scoring="sigmoid")
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6)
+    assert all(t.grad is not None for t in leaves)
+
+
+def _break(monkeypatch, how):
+    """Simulate the kernel bugs the tests must catch, at the launchers' boundary."""
+    real_gemm, real_permute = M._grouped_gemm, M._permute
+    if how == "expert_offset":  # every expert's first row one too late
+        def permute(experts, n):
+            order, offs = real_permute(experts, n)
+            offs = offs.clone()
+            offs[1:-1] += 1
+            return order, offs
+        monkeypatch.setattr(M, "_permute", permute)
+        return
+
+    def gemm(a, weight, c, offs, n, **kw):
+        if how == "gate_up_split" and kw.get("epilogue") == "swiglu":  # up read from the gate rows
+            weight = weight[:, :, :n].repeat(1, 1, 2)
+        if how == "routing_weight" and kw.get("epilogue", "none") == "none" and kw.get("scale") is not None:
+            kw["scale"] = torch.ones_like(kw["scale"])
+        if how == "dgrad_scale" and kw.get("epilogue") == "swiglu_bwd":
+            kw["scale"] = torch.ones_like(kw["scale"])
+        return real_gemm(a, weight, c, offs, n, **kw)
+    monkeypatch.setattr(M, "_grouped_gemm", gemm)
+
+
+@pytest.mark.parametrize("how", ["expert_offset", "gate_up_split", "routing_weight", "dgrad_scale"])
+def test_a_broken_kernel_fails_the_check(how, device, monkeypatch):
+    _break(monkeypatch, how)
+    args = _inputs((13, 16, 12, 4, 2), torch.float32, device, seed=14)
+    rep = check(M.moe, M.reference, args, grad_args=(0, 1, 2, 3), run_twice=False)
+    assert not rep.ok, f"breaking '{how}' went unnoticed: {rep.errors}"
+
+
+def test_registry_cost():
+    (x, r, gu, d, k), kw = SPEC.make_inputs((64, 32, 48, 8, 2), torch.bfloat16, "cpu")
+    c = SPEC.cost(x, r, gu, d, k, **kw)
+    assert c.flops == 2 * 64 * 2 * (2 * 48 * 32 + 48 * 32) and c.dtype == "bf16"
+    assert c.bytes == 2 * (2 * 64 * 32 + 8 * 32 + 8 * 96 * 32 + 8 * 32 * 48)
+    assert SPEC.cost(x, r, gu, d, k, backward=True, **kw).flops == 2 * c.flops
+    (xm, *_), _ = SPEC.make_inputs((8192, 7168, 2048, 256, 8), torch.bfloat16, "meta")
+    assert xm.device.type == "meta"
+
+
+def test_make_inputs_routing_margins():
+    # Neighbouring logits at least one level (4 / next_pow2(E)) apart, up to the small dense part.
+    for shape in SPEC.test_shapes:
+        x, r, *_rest, k = _inputs(shape, torch.bfloat16, "cpu")
+        logits = (x.double() @ r.double().T).sort(dim=1).values
+        level = 4.0 / (1 << (shape[3] - 1).bit_length())
+        assert (logits.diff(dim=1) > 0.5 * level).all()
+
+
+# --- on the GPU ---
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(512, 256, 384, 8, 2), (300, 192, 96, 64, 8), (257, 128, 160, 16, 1)])
+def test_gpu_medium_shapes(shape, dtype):
+    check_spec(SPEC, shape, dtype, "cuda", trials=2).raise_if_failed()
+
+
+@pytest.mark.gpu
+def test_gpu_skewed_routing_and_no_sync():
+    args = _inputs((1000, 256, 192, 32, 4), torch.bfloat16, "cuda", seed=15)
+    args[0][:700, 3] = 8.0  # 700 of 1000 tokens pick expert 3 first
+    check(M.moe, M.reference, args, grad_args=(0, 1, 2, 3), tol=SPEC.tolerances["bfloat16"]).raise_if_failed()
+    leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+    M.moe(*leaves).sum().backward()  # tuned, so the timed call below launches without autotuning's syncs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        M.moe(*leaves).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
