@@ -56,6 +56,19 @@ def test_empty_experts(device):
         assert not gu.grad[e].any() and not d.grad[e].any()
 
 
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_expert_id_outside_the_experts_is_an_error(bad, device):
+    # Such rows belong to no expert's group and would stay unwritten: an error (on the GPU at the next sync)
+    # instead of garbage. Expert parallelism's sentinel id E is one of them.
+    x = torch.randn(5, 16, device=device)
+    gu, d = torch.randn(4, 24, 16, device=device), torch.randn(4, 16, 12, device=device)
+    ids = torch.tensor([[0, 1], [2, 3], [1, bad], [0, 2], [3, 1]], device=device)
+    with pytest.raises(RuntimeError, match="outside"):
+        M.moe_experts(x, torch.rand(5, 2, device=device), gu, d, ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_all_tokens_to_one_expert(top_k, device):
     args = _inputs((37, 16, 12, 4, top_k), torch.float32, device, seed=5)

@@ -52,8 +52,9 @@ def _config(family: str):
         kw = dict(COMMON)
         kw.pop("head_dim")
         return t.Phi3ForCausalLM, t.Phi3Config(**kw, partial_rotary_factor=0.5)
-    if family == "mixtral":
-        return t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    if family == "mixtral":  # experts' intermediate 32 as Qwen3-MoE's: the interpreted grouped GEMMs grow with it
+        return t.MixtralForCausalLM, t.MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=4,
+                                                     num_experts_per_tok=2)
     if family == "qwen3_moe":
         return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
                                                        moe_intermediate_size=32, mlp_only_layers=[0])
@@ -68,10 +69,12 @@ EXPECTED = {
     "gemma2": (9, 2),  # four norms per layer (pre/post attention, pre/post feed-forward) + final
     "gemma3": (13, 2),  # gemma2's + q_norm, k_norm
     "phi3": (5, 2),
-    "mixtral": (5, 0),  # experts stay eager
+    "mixtral": (5, 0),  # the sparse blocks: see MOE_BLOCKS
     "qwen3_moe": (9, 1),  # layer 0 is dense (mlp_only_layers), layer 1 sparse
 }
 FAMILIES = list(EXPECTED)
+# family -> sparse MoE blocks whose experts run kernelkit's grouped GEMMs (2 layers, Qwen3-MoE's first dense).
+MOE_BLOCKS = {"mixtral": 2, "qwen3_moe": 1}
 
 
 def tiny_model(family: str, dtype=torch.float32, seed: int = 0, attn: str = "eager", layers: int = LAYERS,
@@ -155,6 +158,7 @@ def test_family_matches_unpatched(family, device, linear_ce):
     n_norms, n_mlps = EXPECTED[family]
     assert report.count("rms_norm") == n_norms
     assert report.count("mlp") == n_mlps
+    assert report.count("moe") == MOE_BLOCKS.get(family, 0)
     assert report.count("rope") == LAYERS and report.count("attention") == LAYERS
     assert report.count("cross_entropy") == 1
     ids, labels = batch()
@@ -173,6 +177,7 @@ def test_family_matches_unpatched(family, device, linear_ce):
         close(got[name], expected[name], what=f"grad {name}")
     # The norm, MLP and rope kernels ran on every call; fp32 attention fell back (the kernel takes bf16/fp16).
     assert report.fallback_count("rms_norm") == report.fallback_count("mlp") == report.fallback_count("rope") == 0
+    assert report.fallback_count("moe") == 0
     assert report.fallbacks == {("attention", "dtype float32 (the kernel takes bfloat16 / float16)"): 2 * LAYERS}
 
 

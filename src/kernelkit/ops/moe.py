@@ -321,6 +321,10 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     order, offs = _permute(experts, n_exp)
     if rows == 0:
         return y.view(t, hidden), h, z, order, offs
+    # An id outside [0, E) (expert parallelism's "not on this rank" sentinel, or a bug) belongs to no group: its
+    # rows would stay unwritten. Checked on the device, no host sync: the error comes at the next synchronization.
+    torch._assert_async(((experts >= 0) & (experts < n_exp)).all(),
+                        "kernelkit.moe: an expert id is outside [0, experts) (expert-parallel sentinels are not supported)")
     precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
@@ -519,11 +523,22 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
     weights, experts = route(x2, router_weight, top_k, scoring, renormalize)
+    return moe_experts(x2, weights, gate_up_weight, down_weight, experts).view(x.shape)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+    """The expert part of `moe` for a routing computed elsewhere (a Hugging Face router, say):
+    ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = experts[t, j].
+
+    x (T, hidden); weights (T, k), any float dtype (multiplied in fp32); experts (T, k) integer ids in
+    [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight (E, hidden, intermediate).
+    Differentiable in x, weights, gate_up_weight and down_weight. Not validated here (the caller checked the
+    layouts once): `moe` validates its arguments, then routes and calls this."""
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and x.dtype == torch.float32
-    save = wants_grad(x2, weights, gate_up_weight, down_weight)
-    out = dispatch(_moe_experts_op, moe_experts_fwd, _MoEExpertsFunction, 4,
-                   (x2, weights, gate_up_weight, down_weight, experts, allow_tf32, save), pick=_first)
-    return out.view(x.shape)
+    save = wants_grad(x, weights, gate_up_weight, down_weight)
+    return dispatch(_moe_experts_op, moe_experts_fwd, _MoEExpertsFunction, 4,
+                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save), pick=_first)
 
 
 class MoE(torch.nn.Module):

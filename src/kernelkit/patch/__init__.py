@@ -1,6 +1,6 @@
 """Use it: swap kernelkit ops into one Hugging Face model instance, and back.
 
-    report = kernelkit.patch(model)      # RMSNorm, SwiGLU/GeGLU, RoPE, attention, fused linear CE
+    report = kernelkit.patch(model)      # RMSNorm, SwiGLU/GeGLU, RoPE, attention, fused linear CE, MoE experts
     print(report)                        # what was replaced, what was left alone, fallbacks so far
     kernelkit.unpatch(model)             # the model as it was
 
@@ -16,6 +16,10 @@ the instance, never its class: another model of the same class in the process ke
   share: the patched instance gets a private deep copy of its config naming "kernelkit" (unpatch puts
   the original object back; edits made to `model.config` while patched are dropped with the copy).
 - The causal LM's forward takes the fused linear cross-entropy when called with labels (`loss.py`).
+- The experts module of each sparse MoE block (Mixtral, Qwen3-MoE) gets a bound `forward` running
+  kernelkit's grouped-GEMM experts (`ops.moe.moe_experts`); the block's own forward (Mixtral's router
+  jitter included) and its router run unchanged, so the routing and the router logits recorded for the
+  aux loss are computed by Hugging Face's code.
 
 Calls kernelkit cannot compute exactly run the original code and are counted in the report. On a
 machine without CUDA, outside the Triton interpreter (TRITON_INTERPRET=1), `patch` still patches, and
@@ -108,6 +112,21 @@ def _patch_mlps(model, fam: Family, report, undo) -> None:
         report.add("mlp", cls, op, done)
 
 
+def _patch_moe(model, fam: Family, report, undo) -> None:
+    from .modules import experts_forward, experts_settings
+
+    for cls, blocks in _instances(model, fam.moe_blocks).items():
+        done = 0
+        for block in blocks:
+            settings = experts_settings(block, ACTIVATIONS, report)
+            if isinstance(settings, str):
+                report.skip(cls, settings)
+                continue
+            _bind(undo, block.experts, experts_forward, settings)
+            done += 1
+        report.add("moe", f"{cls}.experts", "kernelkit moe_experts (grouped GEMM, SwiGLU); HF router", done)
+
+
 def _patch_rope(model, fam: Family, report, undo) -> None:
     from .modules import rope_function, rope_signature_ok, with_globals
 
@@ -163,13 +182,15 @@ def _patch_loss(model, fam: Family, report, undo) -> None:
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
-          attention: bool = True, cross_entropy: bool = True, swiglu: bool | None = None) -> PatchReport:
+          attention: bool = True, cross_entropy: bool = True, moe: bool = True,
+          swiglu: bool | None = None) -> PatchReport:
     """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
 
     Switches turn each replacement off: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias),
     `rope`, `attention`, `cross_entropy` (the fused linear cross-entropy when called with labels in
-    training mode, returning logits=None). Families: see `kernelkit.patch.families.FAMILIES`. Raises
-    ValueError for a model of no known family, or one already patched.
+    training mode, returning logits=None), `moe` (the experts of sparse MoE blocks). Families: see
+    `kernelkit.patch.families.FAMILIES`. Raises ValueError for a model of no known family, or one already
+    patched.
     """
     if swiglu is not None:
         mlp = swiglu
@@ -182,6 +203,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True, ro
             _patch_norms(model, fam, report, undo)
         if mlp:
             _patch_mlps(model, fam, report, undo)
+        if moe:
+            _patch_moe(model, fam, report, undo)
         if rope:
             _patch_rope(model, fam, report, undo)
         if attention:
@@ -191,8 +214,6 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True, ro
     except BaseException:
         undo.restore()
         raise
-    for cls, mods in _instances(model, fam.eager).items():
-        report.skip(f"{cls} x{len(mods)}", "MoE experts stay eager")
     undo.set(model, "_kernelkit_patch", _Patched(report, undo))
     return report
 

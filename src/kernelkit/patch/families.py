@@ -10,7 +10,10 @@ What each column drives (see `kernelkit.patch.patch`):
 - `attentions`: attention classes whose forward calls `rope_function` (Hugging Face's per-token
   cos/sin, computed by the model's own rotary module, so every rope scaling comes for free) and the
   attention interface (kernelkit's attention through `transformers.AttentionInterface`).
-- `eager`: classes left as they are on purpose (MoE experts), listed in the report.
+- `moe_blocks`: sparse MoE blocks whose forward routes with its own `gate` (a top-k router module) and
+  calls ``self.experts(hidden_states, top_k_index, top_k_weights)``. The experts module (SiLU, weights
+  `gate_up_proj` (E, 2I, H) gate rows first and `down_proj` (E, H, I)) runs `kernelkit.ops.moe.moe_experts`
+  (grouped GEMMs); the block's forward, its router and the router logits it records are Hugging Face's.
 - `router_aux_loss`: the causal LM adds ``router_aux_loss_coef * load_balancing_loss_func(...)`` to
   its loss when router logits are requested (Mixtral, Qwen3-MoE).
 """
@@ -31,7 +34,7 @@ class Family:
     mlp_activation: str = "act_fn"  # attribute of the MLP holding its activation module
     attentions: tuple[str, ...] = ()
     rope_function: str = "apply_rotary_pos_emb"  # module-level function the attention forward calls
-    eager: tuple[str, ...] = ()
+    moe_blocks: tuple[str, ...] = ()
     router_aux_loss: bool = False
 
 
@@ -51,10 +54,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", ("phi3",), norms=("Phi3RMSNorm",), mlps=("Phi3MLP",), mlp_layout="fused",
            mlp_activation="activation_fn", attentions=("Phi3Attention",)),
     Family("mixtral", ("mixtral",), norms=("MixtralRMSNorm",), attentions=("MixtralAttention",),
-           eager=("MixtralSparseMoeBlock",), router_aux_loss=True),
-    # Dense layers of Qwen3-MoE (mlp_only_layers) use Qwen3MoeMLP; the sparse blocks stay eager.
+           moe_blocks=("MixtralSparseMoeBlock",), router_aux_loss=True),
+    # Dense layers of Qwen3-MoE (mlp_only_layers) use Qwen3MoeMLP; the sparse layers Qwen3MoeSparseMoeBlock.
     Family("qwen3_moe", ("qwen3_moe",), norms=("Qwen3MoeRMSNorm",), mlps=("Qwen3MoeMLP",),
-           attentions=("Qwen3MoeAttention",), eager=("Qwen3MoeSparseMoeBlock",), router_aux_loss=True),
+           attentions=("Qwen3MoeAttention",), moe_blocks=("Qwen3MoeSparseMoeBlock",),
+           router_aux_loss=True),
 )
 
 # Class of an MLP's activation module -> (kernelkit glu, keyword arguments). Activations not listed
@@ -78,7 +82,7 @@ def find_family(model) -> Family:
             return fam
     classes = {type(m).__name__ for m in model.modules()}
     for fam in FAMILIES:
-        if classes & set(fam.norms + fam.mlps + fam.attentions):
+        if classes & set(fam.norms + fam.mlps + fam.attentions + fam.moe_blocks):
             return fam
     raise ValueError(f"kernelkit.patch has no row for model_type {model_type!r} ({type(model).__name__}); "
                      f"known families: {', '.join(f.name for f in FAMILIES)}. Add a Family row to "

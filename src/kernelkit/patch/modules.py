@@ -1,4 +1,5 @@
-"""Replacement forwards bound to one module instance: RMSNorm, gated MLP, and the rope of an attention.
+"""Replacement forwards bound to one module instance: RMSNorm, gated MLP, the rope of an attention, and the
+experts of a sparse MoE block.
 
 Each forward is a module-level function bound with `types.MethodType` to the instance, its settings in
 the instance's `_kernelkit` attribute: nothing is assigned to a class, a deep copy of a patched model
@@ -143,3 +144,70 @@ def with_globals(fn: types.FunctionType, replacements: dict) -> types.FunctionTy
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     new.__dict__.update(fn.__dict__)
     return new
+
+
+# --- MoE experts: the sparse block's own router, kernelkit's grouped-GEMM experts ---
+
+# The call the sparse blocks of the table make: ``self.experts(hidden_states, top_k_index, top_k_weights)``.
+EXPERTS_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+# Flags transformers' `use_experts_implementation` sets on an experts module, and the values of the layout
+# the kernel reads: [gate; up] stacked along dim 1, each expert in nn.Linear's (out, in) order, no biases.
+EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class ExpertsSettings:
+    report: PatchReport
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Bound to the block's experts module: the block's forward (jitter, HF's router and its recorded
+    router_logits, the reshapes) runs unchanged and hands this the routing it computed."""
+    kk: ExpertsSettings = self._kernelkit
+    gate_up, down = self.gate_up_proj, self.down_proj
+    reason = None
+    if not runs_kernels(hidden_states):
+        reason = CPU_REASON
+    elif hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
+        reason = "hidden_states not (tokens, hidden) or routing not (tokens, k)"
+    elif hidden_states.dtype not in MOE_DTYPES or gate_up.dtype != hidden_states.dtype \
+            or down.dtype != hidden_states.dtype:
+        reason = "expert weights' dtype differs from the input's (or not fp32 / bf16 / fp16)"
+    if reason is not None:
+        kk.report.fell_back("moe", reason)
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    from ..ops.moe import moe_experts
+
+    return moe_experts(hidden_states, top_k_weights, gate_up, down, top_k_index)
+
+
+def experts_settings(block: torch.nn.Module, activations: dict, report: PatchReport) -> ExpertsSettings | str:
+    """Settings for `experts_forward` on `block.experts`, or why that module cannot take it."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, torch.nn.Module) or not isinstance(getattr(block, "gate", None), torch.nn.Module):
+        return "no gate / experts submodules"
+    try:
+        params = tuple(inspect.signature(type(experts).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = ()
+    if params != EXPERTS_SIGNATURE:
+        return f"experts forward is not ({', '.join(EXPERTS_SIGNATURE)})"
+    act = getattr(experts, "act_fn", None)
+    if activations.get(type(act).__name__, ("",))[0] != "swiglu":
+        return f"experts activation {type(act).__name__} is not SiLU (the kernel fuses SwiGLU)"
+    odd = [f"{k}={getattr(experts, k)!r}" for k, v in EXPERTS_LAYOUT.items() if getattr(experts, k, v) != v]
+    if odd:
+        return f"experts layout {', '.join(odd)} (the kernel reads concatenated [gate; up], untransposed, no bias)"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
+            or gate_up.dim() != 3 or down.dim() != 3:
+        return "no 3-D experts.gate_up_proj / experts.down_proj"
+    n_exp, i2, hidden = gate_up.shape
+    if i2 % 2 or tuple(down.shape) != (n_exp, hidden, i2 // 2):
+        return (f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                f"(E, 2I, H) and (E, H, I)")
+    if "forward" in vars(experts):
+        return "experts forward already replaced"
+    return ExpertsSettings(report)

@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class Replacement:
-    kind: str  # "rms_norm", "mlp", "rope", "attention", "cross_entropy"
+    kind: str  # "rms_norm", "mlp", "moe", "rope", "attention", "cross_entropy"
     target: str  # the Hugging Face class whose instances (or whose forward) now run kernelkit
     op: str  # what runs instead
     count: int
