@@ -25,6 +25,8 @@ pytestmark = pytest.mark.convergence
 STEPS, BATCH, SEQ, LR = 12, 1, 8, 5e-3
 SIZE = dict(num_attention_heads=2, num_key_value_heads=1)
 RTOL = {"mixtral": 2e-2, "qwen3_moe": 2e-2}
+# Mixtral's two sparse blocks run interpreted grouped GEMMs (about 5 s a step here): fewer steps keep CI short.
+FAMILY_STEPS = {"mixtral": 7}
 
 
 def _data(seed: int = 0):
@@ -38,10 +40,10 @@ def _data(seed: int = 0):
     return ids
 
 
-def _curve(model, ids) -> list[float]:
+def _curve(model, ids, steps: int = STEPS) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = model(ids, labels=ids).loss
         loss.backward()
@@ -56,7 +58,8 @@ def test_loss_curves_match(family, device, linear_ce):
     model = copy.deepcopy(ref)
     patch(model)
     ids = _data().to(device)
-    got, want = _curve(model, ids), _curve(ref, ids)
+    steps = FAMILY_STEPS.get(family, STEPS)
+    got, want = _curve(model, ids, steps), _curve(ref, ids, steps)
     rtol = RTOL.get(family, 1e-3)
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: patched {a:.6f} vs unpatched {b:.6f}"
