@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import autotune, cdiv, interpreting, launch, num_sms
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, num_sms
 from . import Launch, Rung
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
@@ -178,10 +178,6 @@ def _build_tiled(a, b, c, fixed: Optional[dict], params: Optional[dict]) -> Laun
     return Launch(lambda: hgemm_kernel[grid](*args, **meta, **options), dict(params))
 
 
-def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _tma_problem(m: int, n: int, k: int) -> Optional[str]:
     if n % 8 or k % 8:
         return "needs N % 8 == K % 8 == 0 (TMA: 16-byte aligned row strides)"
@@ -198,11 +194,7 @@ def _build_persistent(a, b, c, params: Optional[dict]) -> Launch:
     if problem := _tma_problem(m, n, k):
         raise ValueError(f"hgemm persistent_tma: {problem} (got M={m}, N={n}, K={k})")
     if a.is_cuda:
-        from triton.runtime import _allocation
-
-        # Descriptors made inside the kernel live in a global scratch buffer that Triton asks the allocator for.
-        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            triton.set_allocator(_scratch)
+        ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
     sms = num_sms(a.device) if a.is_cuda else 3  # 3 programs in the interpreter: each loops over several tiles
     grid = lambda meta: (min(sms, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
     args = (a, b, c, m, n, k)

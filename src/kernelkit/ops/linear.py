@@ -26,6 +26,7 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, interpreting, launch, next_pow2
 from . import _validate
+from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
 from .registry import OpSpec, register
 
@@ -36,9 +37,6 @@ TWO_SQRT_2_OVER_PI = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh's 0.5 * (
 GELU_CUBIC = 0.044715
 # The same constants for the kernels: a kernel may read only constexpr globals (the host code uses the floats).
 K_INV_SQRT_2, K_TWO_SQRT_2_OVER_PI, K_GELU_CUBIC = (tl.constexpr(v) for v in (INV_SQRT_2, TWO_SQRT_2_OVER_PI, GELU_CUBIC))
-# Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
-# (16-bit operands are exact in fp32, so the result is what the tensor cores compute).
-_INTERPRETER_DOT = tl.constexpr(interpreting())
 
 
 def _gemm_configs() -> list:
@@ -87,13 +85,7 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles sweep the column tiles together, so the weight tiles they share
-    # stay in L2 instead of being re-read once per row tile.
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -113,15 +105,8 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
         kk64 = kk.to(tl.int64)  # a transposed x has stride_ak = M: k * M can pass 2^31
         a = tl.load(a_rows + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_cols + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if _INTERPRETER_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if ACTIVATION == "swiglu":
-            u = tl.load(b_up + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if _INTERPRETER_DOT:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+        acc, acc_up = gate_up_step(a, b, acc, acc_up, b_up + kk64[:, None] * stride_bk, k_ok[:, None] & n_ok[None, :],
+                                   ACTIVATION == "swiglu", INTERPRETER_DOT, INPUT_PRECISION)
 
     # Epilogue, in fp32 registers before the one store: bias, activation, scale, residual.
     if HAS_BIAS:
@@ -151,14 +136,6 @@ def _rows(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
         return x.view(m, k)
     except RuntimeError:
         return _validate._copied(x).reshape(m, k)
-
-
-def input_precision(dtype: torch.dtype, allow_tf32: bool):
-    """tl.dot's input_precision: fp32 inputs in true fp32 ("ieee") unless TF32 is allowed; None (Triton's
-    default) for 16-bit inputs, which the tensor cores take as they are."""
-    if dtype != torch.float32:
-        return None
-    return "tf32" if allow_tf32 else "ieee"
 
 
 def _check(x, weight, bias, residual, activation, scale, out_dtype):

@@ -28,13 +28,11 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, interpreting, launch, next_pow2
 from . import _validate
+from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
-# Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, dots upcast to fp32
-# (16-bit operands are exact in fp32, so the result is what the tensor cores compute).
-_INTERPRETER_DOT = tl.constexpr(interpreting())
 
 
 def _gemm_configs() -> list:
@@ -111,13 +109,8 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     # adds at most one partial tile to cdiv(ROWS, BLOCK_M). Programs past the real tiles exit at once.
     grid_m = tl.cdiv(ROWS, BLOCK_M) + E
     grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order (as linear.py): GROUP_M row tiles sweep the column tiles together, so the weight tiles of
-    # an expert with several row tiles are read from L2 rather than once per row tile.
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    # Grouped order: the weight tiles of an expert with several row tiles are read from L2, not once per row tile.
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
     e, row0, row_end = _expert_of_tile(OFFS, pid_m, E, E_P2, BLOCK_M)
     if e >= E:
         return
@@ -145,15 +138,8 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
         kk64 = kk.to(tl.int64)
         a = tl.load(a_ptrs + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if _INTERPRETER_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if EPILOGUE == "swiglu":
-            u = tl.load(b_up + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if _INTERPRETER_DOT:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+        acc, acc_up = gate_up_step(a, b, acc, acc_up, b_up + kk64[:, None] * stride_bk, k_ok[:, None] & n_ok[None, :],
+                                   EPILOGUE == "swiglu", INTERPRETER_DOT, INPUT_PRECISION)
 
     mask = m_ok[:, None] & n_ok[None, :]
     c_cols = rn64[None, :] * stride_cn
@@ -199,11 +185,7 @@ def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row 
     grid_n = tl.cdiv(N, BLOCK_N)
     e = pid // (grid_m * grid_n)
     t = pid % (grid_m * grid_n)
-    per_group = GROUP_M * grid_n
-    first_m = (t // per_group) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (t % per_group) % group_m
-    pid_n = (t % per_group) // group_m
+    pid_m, pid_n = grouped_tile(t, grid_m, grid_n, GROUP_M)
     start = tl.load(OFFS + e)
     end = tl.load(OFFS + e + 1)
 
@@ -231,7 +213,7 @@ def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row 
             a = (a.to(tl.float32) * s[None, :]).to(A.dtype.element_ty)
         b = tl.load(B + b_rows[:, None] * stride_br + rn[None, :] * stride_bn, mask=r_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        if _INTERPRETER_DOT:
+        if INTERPRETER_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
@@ -240,13 +222,6 @@ def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row 
 
 
 # --- launchers ---
-
-def input_precision(dtype: torch.dtype, allow_tf32: bool):
-    """tl.dot's input_precision: true fp32 ("ieee") for fp32 unless TF32 is allowed; Triton's default for 16 bits."""
-    if dtype != torch.float32:
-        return None
-    return "tf32" if allow_tf32 else "ieee"
-
 
 # Columns of the routing-weight gradient's partial sums: one per N tile of the smallest BLOCK_N a config has.
 _ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.configs)

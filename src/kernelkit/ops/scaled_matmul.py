@@ -39,9 +39,10 @@ import triton.language as tl
 
 from ..roofline.model import Cost
 from ..testing.poison import empty
-from ..tune import autotune, cdiv, interpreting, launch, next_pow2
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from . import _validate
 from ._dispatch import dispatch
+from ._gemm import grouped_tile
 from .registry import OpSpec, register
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -117,12 +118,7 @@ def scaled_matmul_kernel(A, B, C, SCALE_A, SCALE_B, BIAS,
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles sweep the column tiles together, so the b tiles they share stay in L2.
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
 
@@ -249,10 +245,6 @@ def _check(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
     return m, k, n, sa, sb
 
 
-def _alloc_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _tma_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool]:
     """(use TMA, b is K-major): descriptors need a unit inner stride, 16-byte aligned bases and outer strides."""
     b_k_major = b.stride(0) == 1 and (b.shape[1] == 1 or b.stride(1) != 1)
@@ -264,11 +256,7 @@ def _tma_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool]:
           and all(p % TMA_ALIGN == 0 for p in (a.data_ptr(), b.data_ptr()))
           and all(s > 0 and s % TMA_ALIGN == 0 for s in (a.stride(0), b_outer)))  # fp8: bytes = elements
     if ok and a.is_cuda:
-        from triton.runtime import _allocation
-
-        # In-kernel descriptors live in a global scratch buffer that Triton asks the allocator for.
-        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            triton.set_allocator(_alloc_scratch)
+        ensure_tma_allocator()
     return ok, b_k_major
 
 

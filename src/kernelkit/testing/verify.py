@@ -309,16 +309,11 @@ _SCALES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
     ("x1e-3", lambda x: x * 1e-3), ("x100", lambda x: x * 100), ("+50", lambda x: x + 50)]
 
 
-def _input_scales(s: _Session) -> Finding:
+def _against_reference(s: _Session, check: str, variants, label: Callable[[str], str] = str):
+    """The candidate against the reference on each (name, inputs): (problems, skipped, tried), a variant the
+    reference itself rejects being skipped (the candidate is not asked what the reference cannot say)."""
     problems, skipped, tried = [], [], []
-    cases = [(name, fn, False) for name, fn in _SCALES] + [("±inf/NaN", _with_specials, True)]
-    for k, (name, fn, first_only) in enumerate(cases):
-        xs = s.inputs(300 + k)
-        floating = [i for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-        if not floating:
-            return Finding("input scales", SKIP, "no floating-point input to scale")
-        for i in floating[:1] if first_only else floating:
-            xs[i] = fn(xs[i])
+    for name, xs in variants:
         try:
             refs = s.reference(xs)
         except Exception as e:
@@ -328,12 +323,29 @@ def _input_scales(s: _Session) -> Finding:
         try:
             with warnings.catch_warnings():  # numpy's overflow/invalid warnings, from Triton's interpreter
                 warnings.simplefilter("ignore", RuntimeWarning)
-                outs = s.candidate(xs, f"inputs {name}")
-            problem = s.agree(outs, refs, "input scales")
+                outs = s.candidate(xs, label(name))
+            problem = s.agree(outs, refs, check)
         except Exception as e:
             problem = f"the candidate raised {exception_line(e)}"
         if problem:
             problems.append(f"{name}: {problem}")
+    return problems, skipped, tried
+
+
+def _input_scales(s: _Session) -> Finding:
+    cases = [(name, fn, False) for name, fn in _SCALES] + [("±inf/NaN", _with_specials, True)]
+    floating = [i for i, x in enumerate(s.inputs(300)) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not floating:
+        return Finding("input scales", SKIP, "no floating-point input to scale")
+
+    def variants():  # lazily: each set is made right before its calls, as seeded inputs are
+        for k, (name, fn, first_only) in enumerate(cases):
+            xs = s.inputs(300 + k)
+            for i in floating[:1] if first_only else floating:
+                xs[i] = fn(xs[i])
+            yield name, xs
+
+    problems, skipped, tried = _against_reference(s, "input scales", variants(), lambda name: f"inputs {name}")
     note = f"; skipped {', '.join(skipped)}" if skipped else ""
     if problems:
         return Finding("input scales", FAIL, "; ".join(problems) + note)
@@ -367,21 +379,8 @@ def _sizes(s: _Session) -> Finding:
     if first.dim() >= 2:
         n = first.shape[-1]
         cases.append((f"last dim {n + 1 if n % 2 == 0 else n + 2}", -1, n + 1 if n % 2 == 0 else n + 2))
-    problems, skipped, tried = [], [], []
-    for k, (name, dim, size) in enumerate(cases):
-        xs = _resized(s, 400 + 10 * k, dim, size)
-        try:
-            refs = s.reference(xs)
-        except Exception as e:
-            skipped.append(f"{name} (the reference raised {exception_line(e)})")
-            continue
-        tried.append(name)
-        try:
-            problem = s.agree(s.candidate(xs, name), refs, "sizes")
-        except Exception as e:
-            problem = f"the candidate raised {exception_line(e)}"
-        if problem:
-            problems.append(f"{name}: {problem}")
+    variants = ((name, _resized(s, 400 + 10 * k, dim, size)) for k, (name, dim, size) in enumerate(cases))
+    problems, skipped, tried = _against_reference(s, "sizes", variants)
     note = f"; skipped {', '.join(skipped)}" if skipped else ""
     if problems:
         return Finding("sizes", FAIL, "; ".join(problems) + note)

@@ -313,6 +313,19 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Tensor descriptors made inside a kernel (tl.make_tensor_descriptor) live in a global scratch buffer that
+    Triton asks its allocator for: set one (a torch allocation) unless the user has set their own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+
+
 def num_sms(device) -> int:
     """Streaming multiprocessors of `device` (a small stand-in on the CPU interpreter)."""
     if device.type == "cuda":

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune import interpreting, next_pow2
+from ...tune import ensure_tma_allocator, interpreting, next_pow2
 
 # None: tensor descriptors on sm_90+ GPUs when every tensor allows them, pointers elsewhere. Tests force either.
 USE_TMA: Optional[bool] = None
@@ -195,10 +195,6 @@ def tma_compatible(tensors, varlen: bool) -> bool:
     return True
 
 
-def _alloc_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def use_tma(*tensors: torch.Tensor, varlen: bool = False) -> bool:
     """Tensor descriptors on sm_90+ when `tma_compatible`; USE_TMA overrides (tests)."""
     if USE_TMA is not None:
@@ -207,9 +203,5 @@ def use_tma(*tensors: torch.Tensor, varlen: bool = False) -> bool:
         return False
     ok = tma_compatible(tensors, varlen)
     if ok:
-        from triton.runtime import _allocation
-
-        # In-kernel descriptors live in a global scratch buffer: Triton asks for it through the allocator.
-        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            triton.set_allocator(_alloc_scratch)
+        ensure_tma_allocator()
     return ok

@@ -1,0 +1,49 @@
+"""What kernelkit's GEMM kernels share (linear, moe, scaled_matmul): the grouped tile order, the K-step of a
+plain or gate-up (SwiGLU) product, and tl.dot's input precision."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..tune import interpreting
+
+# Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
+# (16-bit operands are exact in fp32, so the result is what the tensor cores compute).
+INTERPRETER_DOT = tl.constexpr(interpreting())
+
+
+@triton.jit
+def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles sweep the column tiles
+    together, so the weight tiles they share stay in L2 instead of being re-read once per row tile."""
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(grid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def gate_up_step(a, b, acc, acc_up, up_ptrs, up_mask, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+    """One K step: acc += a @ b, and with SWIGLU acc_up += a @ up (the up half of a gate-up weight, loaded
+    here). UPCAST (INTERPRETER_DOT): the operands go to fp32 first."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    if SWIGLU:
+        u = tl.load(up_ptrs, mask=up_mask, other=0.0)
+        if UPCAST:
+            u = u.to(tl.float32)
+        acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+    return acc, acc_up
+
+
+def input_precision(dtype: torch.dtype, allow_tf32: bool):
+    """tl.dot's input_precision: fp32 inputs in true fp32 ("ieee") unless TF32 is allowed; None (Triton's
+    default) for 16-bit inputs, which the tensor cores take as they are."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if allow_tf32 else "ieee"
