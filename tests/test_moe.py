@@ -3,6 +3,9 @@
 Interpreter shapes are tiny and odd: hidden and intermediate not multiples of the 16-wide interpreter tiles,
 experts with more rows than one 16-row tile, empty experts, one expert taking every token."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -58,15 +61,27 @@ def test_empty_experts(device):
 
 @pytest.mark.parametrize("bad", [-1, 4])
 def test_expert_id_outside_the_experts_is_an_error(bad, device):
-    # Such rows belong to no expert's group and would stay unwritten: an error (on the GPU at the next sync)
-    # instead of garbage. Expert parallelism's sentinel id E is one of them.
-    x = torch.randn(5, 16, device=device)
-    gu, d = torch.randn(4, 24, 16, device=device), torch.randn(4, 16, 12, device=device)
-    ids = torch.tensor([[0, 1], [2, 3], [1, bad], [0, 2], [3, 1]], device=device)
-    with pytest.raises(RuntimeError, match="outside"):
-        M.moe_experts(x, torch.rand(5, 2, device=device), gu, d, ids)
-        if device == "cuda":
-            torch.cuda.synchronize()
+    # Such rows belong to no expert's group and would stay unwritten: an error instead of garbage. Expert
+    # parallelism's sentinel id E is one of them. On the GPU it is a device-side assert (no host sync), which
+    # leaves the process's CUDA context unusable: it runs in a child process there.
+    code = f"""
+import torch
+from kernelkit.ops import moe as M
+dev = {device!r}
+x = torch.randn(5, 16, device=dev)
+gu, d = torch.randn(4, 24, 16, device=dev), torch.randn(4, 16, 12, device=dev)
+ids = torch.tensor([[0, 1], [2, 3], [1, {bad}], [0, 2], [3, 1]], device=dev)
+M.moe_experts(x, torch.rand(5, 2, device=dev), gu, d, ids)
+if dev == "cuda":
+    torch.cuda.synchronize()
+"""
+    if device != "cuda":
+        with pytest.raises(RuntimeError, match="outside"):
+            exec(code, {})
+        return
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "device-side assert" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -107,8 +122,8 @@ def test_outputs_and_workspaces_fully_written(device):
         grads = M.moe_experts_bwd(torch.randn_like(out), x, weights, gu, d, h, z, order, offs)
     for t in (out, h, z, *grads):
         assert torch.isfinite(t).all()
-    assert torch.equal(offs[[0, -1]].long(), torch.tensor([0, 38]))
-    assert torch.equal(order.sort().values, torch.arange(38))
+    assert torch.equal(offs[[0, -1]].long().cpu(), torch.tensor([0, 38]))
+    assert torch.equal(order.sort().values.cpu(), torch.arange(38))
 
 
 def test_no_host_sync(device, monkeypatch):

@@ -186,7 +186,7 @@ def _bad(device):
     (lambda a, b, sa, sb: (a, b, sa, sb.t()), ValueError,
      r"scale_b must have shape .*\(1, 16\) \(one per column\), \(2, 16\) \(128x1 blocks\) or \(2, 1\).*got \(1, 2\)"),
     (lambda a, b, sa, sb: (a, b, sa[:, 0], sb), ValueError, r"scale_a must have shape.*got \(8,\)"),
-    (lambda a, b, sa, sb: (a, b, torch.ones(1, 1, 1), sb), ValueError, r"scale_a must have shape.*got \(1, 1, 1\)"),
+    (lambda a, b, sa, sb: (a, b, sa.new_ones(1, 1, 1), sb), ValueError, r"scale_a must have shape.*got \(1, 1, 1\)"),
 ])
 def test_bad_inputs_name_the_argument(change, exc, match, device):
     args = change(*_bad(device))

@@ -9,10 +9,14 @@ it would only flush denormals to zero). FMA contraction is NVRTC's default, as i
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 
 NVRTC_OPTIONS = ("-std=c++17",)
 _compiled: dict = {}
+# Drop the compiled modules before the interpreter tears CuPy down: unloading them during teardown prints
+# "TypeError: 'NoneType' object is not callable" from cupy.cuda.function.Module.__dealloc__.
+atexit.register(_compiled.clear)
 
 
 def _cuda_check(result):
