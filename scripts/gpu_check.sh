@@ -100,7 +100,7 @@ fi
 if has demo; then  # make demo's check on a new machine: no tuning cache, no compiled kernels
   log "kernelkit check all, cold caches"
   t0=$(date +%s)
-  KERNELKIT_TUNE=first KERNELKIT_CACHE=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-300} $KK check all 2>&1 | tee "$RES/demo-check.log" | tail -25
+  KERNELKIT_TUNE=first KERNELKIT_CACHE=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-300} $KK check all ${DEMO_FLAGS:-} 2>&1 | tee "$RES/demo-check.log" | tail -25
   echo "check all, cold: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s" | tee -a "$RES/demo-check.log" "$RES/steps.log"
 fi
 if has model; then

@@ -91,6 +91,23 @@ def test_check_counts_failures_and_exits_1(monkeypatch):
                      res.output), res.output
 
 
+def test_check_all_side_by_side_collects_each_process_rows_and_a_dead_one_fails(monkeypatch):
+    # check all --jobs N: ops in child processes. A child that dies (here: an op name it refuses, exit 2) is a
+    # failed row with the end of its output, not a silently missing op.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernelkit import cli
+    from kernelkit.ops import registry
+
+    flags = ["--dtype", "float32", "--device", DEV, "--trials", "1", "--small", "--no-layouts"]
+    rows = cli._check_side_by_side(["softmax", "no_such_op"], flags, 2)
+    good = [r for r in rows if r["op"] == "softmax"]
+    assert len(good) == len(registry.get("softmax").test_shapes) and all(r["ok"] for r in good), good
+    bad = [r for r in rows if r["op"] == "no_such_op"]
+    assert len(bad) == 1 and not bad[0]["ok"] and "exited 2" in bad[0]["failure"], bad
+    with pytest.raises(cli.typer.Exit):
+        cli._check_summary(rows, DEV, 1)
+
+
 def test_check_cuda_without_gpu_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = runner.invoke(app, ["check", "rms_norm", "--device", "cuda", "--dtype", "float32", "--trials", "1"])

@@ -239,7 +239,7 @@ def test_custom_op_path(device):
     y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True)[0]
     y.backward(torch.ones_like(y))
     refs = [t.double().requires_grad_() for t in (x, r, gu, d)]
-    M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64))
+    M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64, device=device))
     for got, want in zip(leaves, refs):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-6)
 

@@ -188,7 +188,11 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                                                           "output dtype's (float32: 1e-5)"),
           atol: Optional[float] = typer.Option(None, help="candidate files: also pass outputs within "
                                                           "|out - ref| <= atol + rtol |ref| everywhere"),
-          json_out: Optional[Path] = typer.Option(None, "--json", help="candidate files: write the report here")):
+          json_out: Optional[Path] = typer.Option(None, "--json", help="candidate files: write the report here"),
+          jobs: int = typer.Option(0, min=0, help="'all': ops checked side by side, each in its own process "
+                                                  "(compiling is CPU-bound); 0 picks 4 on a GPU, 1 on the CPU"),
+          rows_out: Optional[Path] = typer.Option(None, "--rows-json", hidden=True,
+                                                  help="write the result rows here (check all --jobs)")):
     """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races).
 
     `kernelkit check CANDIDATE.py --reference REFERENCE.py` verifies any candidate kernel instead: the
@@ -208,11 +212,8 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         raise typer.Exit(2)
 
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .ops import registry
-    from .testing import check_spec
-    from .testing.layouts import check_layouts, layout_shape
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -235,6 +236,27 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         console.print(f"[red]{e.args[0]}[/]", soft_wrap=True)
         raise typer.Exit(2)
 
+    if jobs == 0:
+        jobs = min(4, os.cpu_count() or 1) if device.startswith("cuda") else 1
+    if op == "all" and jobs > 1 and rows_out is None:
+        flags = ["--dtype", dtype, "--device", device, "--trials", str(trials)] + ["--small"] * small + \
+            ["--no-layouts"] * (not layouts)
+        rows = _check_side_by_side([s.name for s in specs], flags, jobs)
+    else:
+        rows = _check_here(specs, dtype, device, trials, small, layouts)
+    if rows_out is not None:
+        rows_out.write_text(json.dumps(rows))
+        return
+    _check_summary(rows, device, trials)
+
+
+def _check_here(specs, dtype: str, device: str, trials: int, small: bool, layouts: bool) -> list[dict]:
+    """Run the checks of `specs` in this process, one progress line per op; returns one row per check."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .testing import check_spec
+    from .testing.layouts import check_layouts, layout_shape
+
     plan = []  # (spec, dtype, shape): one check each
     for spec in specs:
         shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
@@ -242,10 +264,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
             plan += [(spec, dt, shape) for shape in shapes]
             if layouts:
                 plan.append((spec, dt, "layouts"))
-    failed = layout_cases = 0
-    table = Table(title=f"kernelkit check on {device}")
-    for col in ("op", "dtype", "shape", "result", "worst rel. error"):
-        table.add_column(col)
+    rows = []
     with Progress(TextColumn("[bold]checking[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("", total=len(plan))
@@ -254,9 +273,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         current, started, op_failed = None, 0.0, 0
 
         def op_done():  # one line per op as it finishes: in a log (no live bar there) the run never looks hung
-            console.print(f"  {current}: {sum(1 for p in plan if p[0].name == current)} checks, "
-                          f"{'[red]' + str(op_failed) + ' failed[/]' if op_failed else '[green]ok[/]'} "
-                          f"in {time.perf_counter() - started:.1f} s", soft_wrap=True)
+            _op_line(current, sum(1 for p in plan if p[0].name == current), op_failed, time.perf_counter() - started)
 
         for spec, dt, shape in plan:
             if spec.name != current:
@@ -266,30 +283,89 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                 if not console.is_terminal:
                     console.print(f"checking {current} ({ops.index(current) + 1} of {len(ops)}) ...", soft_wrap=True)
             bar.update(task, description=f"{spec.name} {dt} {shape}")
-            if shape == "layouts":
+            cases, is_layout = 0, shape == "layouts"
+            if is_layout:
                 rep, cases = check_layouts(spec, dt, device)
-                layout_cases += cases
                 shape = f"{cases} layouts of {layout_shape(spec)}"
             else:
                 rep = check_spec(spec, shape, dt, device=device, trials=trials)
-            failed += not rep.ok
             op_failed += not rep.ok
-            worst = max(rep.errors.values(), default=0.0)
-            table.add_row(spec.name, dt, str(shape), "[green]ok[/]" if rep.ok else f"[red]{rep.failures[0]}[/]",
-                          f"{worst:.2e}")
+            rows.append({"op": spec.name, "dtype": dt, "shape": str(shape), "ok": rep.ok,
+                         "failure": None if rep.ok else rep.failures[0], "layouts": is_layout, "layout_cases": cases,
+                         "worst": max(rep.errors.values(), default=0.0)})
             bar.advance(task)
         if current is not None:
             op_done()
-    console.print(table)
     if msg := tuning():
         console.print(msg)
-    colour = "red" if failed or not plan else "green"
-    n_layout = sum(1 for p in plan if p[2] == "layouts")
-    n_shape = len(plan) - n_layout
+    return rows
+
+
+def _op_line(name: str, checks: int, failed: int, seconds: float, extra: str = "") -> None:
+    console.print(f"  {name}: {checks} checks, {'[red]' + str(failed) + ' failed[/]' if failed else '[green]ok[/]'} "
+                  f"in {seconds:.1f} s{extra}", soft_wrap=True)
+
+
+def _check_side_by_side(names: list[str], flags: list[str], jobs: int) -> list[dict]:
+    """`check all --jobs N`: each op in a child `kernelkit check OP` process, N at a time (a cold start spends
+    most of its time compiling kernels, which is CPU-bound and serial within one process). A child that dies
+    (a crash, a CUDA error) is a failed row carrying the end of its output, never a skipped op."""
+    import subprocess
+    import sys
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def one(name: str, tmp: Path):
+        out = tmp / f"{name}.json"
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "kernelkit.cli", "check", name, *flags, "--rows-json", str(out)],
+                           capture_output=True, text=True)
+        secs = time.perf_counter() - t0
+        if r.returncode == 0 and out.is_file():
+            return json.loads(out.read_text()), secs, r
+        tail = " | ".join((r.stdout + r.stderr).strip().splitlines()[-4:])[-600:]
+        return [{"op": name, "dtype": "-", "shape": "-", "ok": False, "layouts": False, "layout_cases": 0, "worst": 0.0,
+                 "failure": f"the check process exited {r.returncode}: {tail}", "crashed": True}], secs, r
+
+    results = {}
+    console.print(f"checking {len(names)} ops, {jobs} side by side (each in its own process)", soft_wrap=True)
+    with tempfile.TemporaryDirectory(prefix="kernelkit-check-") as tmp, \
+            Progress(TextColumn("[bold]checking[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                     TimeElapsedColumn(), console=console, transient=True) as bar, \
+            ThreadPoolExecutor(jobs) as pool:
+        task = bar.add_task(", ".join(names[:jobs]), total=len(names))
+        futures = {pool.submit(one, name, Path(tmp)): name for name in names}
+        for fut in as_completed(futures):
+            name = futures[fut]
+            rows, secs, r = fut.result()
+            results[name] = rows
+            tuned = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("autotuned ")]
+            _op_line(name, sum(1 for row in rows if not row.get("crashed")), sum(not row["ok"] for row in rows),
+                     secs, f" ({tuned[-1]})" if tuned else "")
+            bar.update(task, description=", ".join(n for f, n in futures.items() if not f.done()) or "done")
+            bar.advance(task)
+    return [row for name in names for row in results[name]]
+
+
+def _check_summary(rows: list[dict], device: str, trials: int) -> None:
+    table = Table(title=f"kernelkit check on {device}")
+    for col in ("op", "dtype", "shape", "result", "worst rel. error"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["op"], row["dtype"], row["shape"], "[green]ok[/]" if row["ok"] else f"[red]{row['failure']}[/]",
+                      f"{row['worst']:.2e}")
+    console.print(table)
+    failed = sum(not row["ok"] for row in rows)
+    n_layout = sum(1 for row in rows if row["layouts"])
+    layout_cases = sum(row["layout_cases"] for row in rows)
+    n_shape = len(rows) - n_layout
+    colour = "red" if failed or not rows else "green"
     console.print(f"[{colour}]{n_shape} checks (op x dtype x shape), {trials} trial(s) each, "
                   f"{n_shape * trials} trials in all; {n_layout} layout checks, {layout_cases} layout cases: "
                   f"{failed} failed[/]", soft_wrap=True)
-    if failed or not plan:  # a check that ran nothing has passed nothing
+    if failed or not rows:  # a check that ran nothing has passed nothing
         raise typer.Exit(1)
 
 
