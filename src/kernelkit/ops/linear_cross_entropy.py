@@ -153,6 +153,14 @@ def chunk_rows(t: int, v: int, esize: int, chunk_size: Optional[int] = None) -> 
     return aligned if aligned <= cap else rows
 
 
+# float16 dlogits carry this power-of-two scale. Scaled by 1 / count as bf16's are, they underflow: at 8192
+# tokens and a 128256-token vocabulary a typical softmax probability over the count is ~1e-9, below fp16's
+# smallest subnormal (6e-8), so dhidden lost most of the softmax's mass (relative error 1.9e-2 measured on the
+# H100, against bf16's 4e-3). Here the kernel writes (p - y) x 2^11 (|.| <= ~2^11, far from fp16's 65504; a
+# probability down to 3e-8 stays a normal number), the GEMMs accumulate into fp32 outputs, and 2^-11 / count
+# is applied there in fp32. Costs an fp32 dweight running sum (V x H x 4 bytes) and an fp32 chunk of dhidden.
+FP16_GRAD_SCALE = 2.0 ** 11
+
 _tuned: set = set()
 
 
@@ -167,7 +175,7 @@ def _launch_in_place(kernel, key, logits, run):
 
 
 def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index, label_smoothing, z_loss, softcap,
-                mean, compute_grad):
+                mean, compute_grad):  # mean with count = 2^-11 (a tensor): dlogits x 2^11 (fp16, see FP16_GRAD_SCALE)
     """The cross-entropy forward kernel on one chunk of logits (rows, V): per-token fp32 loss and lse, and
     with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean'."""
     v = logits.shape[1]
@@ -189,19 +197,20 @@ def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index
         run(logits)
 
 
-def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smoothing, z_loss, softcap):
+def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smoothing, z_loss, softcap, inv_scale=None):
     """The cross-entropy backward kernel on one chunk: dlogits = per-token grad_output x dloss/dlogits,
-    written over the (recomputed) logits."""
+    written over the (recomputed) logits; x 1 / inv_scale when given (a 0-dim fp32 tensor: fp16's scale)."""
     v = logits.shape[1]
     block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
-    flags = dict(MEAN=False, HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
+    flags = dict(MEAN=inv_scale is not None, HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
     key = (v, logits.dtype, grad_rows.dtype, *flags.values())
     stride_g = grad_rows.stride(0) if grad_rows.dim() else 0
 
     def run(x):
         n = x.shape[0]
         grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
-        launch(cross_entropy_bwd_kernel, grid, key, x, target, lse_rows, grad_rows, target, x, x.stride(0),
+        launch(cross_entropy_bwd_kernel, grid, key, x, target, lse_rows, grad_rows,
+               target if inv_scale is None else inv_scale, x, x.stride(0),
                x.stride(0), stride_g, n, v, ignore_index, label_smoothing, 2.0 * z_loss, softcap or 1.0,
                1.0 / (softcap or 1.0), **flags)
 
@@ -212,19 +221,30 @@ class _Grads:
     """Gradient buffers filled chunk by chunk: dhidden rows, dweight (in its dtype or an fp32 running
     sum, see the module docstring) and an fp32 dbias."""
 
-    def __init__(self, hidden, weight, bias, n_chunks, need_dh, need_dw, need_db):
+    def __init__(self, hidden, weight, bias, n_chunks, need_dh, need_dw, need_db, rows=0, post=None):
         t, h = hidden.shape
         dev = hidden.device
+        # post: a 0-dim fp32 factor the fp32 sums are multiplied by before rounding (fp16, FP16_GRAD_SCALE)
+        self.post = post
         self.dh = empty((t, h), dtype=hidden.dtype, device=dev) if need_dh else None
+        self.dh32 = empty((min(rows, t), h), dtype=torch.float32, device=dev) if need_dh and post is not None \
+            else None
         self.dw = empty(tuple(weight.shape), dtype=weight.dtype, device=dev) if need_dw else None
         self.dw32 = None
-        if need_dw and weight.dtype != torch.float32 and n_chunks > MAX_LOWP_DWEIGHT_CHUNKS:
+        if need_dw and weight.dtype != torch.float32 and (n_chunks > MAX_LOWP_DWEIGHT_CHUNKS or post is not None):
             self.dw32 = empty(tuple(weight.shape), dtype=torch.float32, device=dev)
         self.db32 = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_db else None
         self.weight, self.first = weight, True
 
     def add_chunk(self, dlogits, h_chunk, start):
-        if self.dh is not None:
+        if self.dh32 is not None:  # fp32 product, scaled, then rounded once
+            acc = self.dh32[:dlogits.shape[0]]
+            if acc.is_cuda:
+                torch.mm(dlogits, self.weight, out_dtype=torch.float32, out=acc)
+            else:
+                torch.mm(dlogits.float(), self.weight.float(), out=acc)
+            self.dh[start:start + dlogits.shape[0]].copy_(acc.mul_(self.post))
+        elif self.dh is not None:
             torch.mm(dlogits, self.weight, out=self.dh[start:start + dlogits.shape[0]])
         beta = 0.0 if self.first else 1.0  # beta = 0: the buffer's prior (uninitialized) contents are ignored
         if self.dw32 is not None:
@@ -240,12 +260,15 @@ class _Grads:
 
     def result(self, hidden, weight, bias):
         dh, dw = self.dh, self.dw
+        self.dh32 = None
         if dw is not None:
-            if self.dw32 is not None:
-                dw.copy_(self.dw32)
-                self.dw32 = None
-            elif self.first:  # no chunk ran (T = 0)
+            if self.first:  # no chunk ran (T = 0)
                 dw.zero_()
+            elif self.dw32 is not None:
+                dw.copy_(self.dw32 if self.post is None else self.dw32.mul_(self.post))
+            self.dw32 = None
+        if self.db32 is not None and self.post is not None:
+            self.db32.mul_(self.post)
         db = self.db32.to(bias.dtype) if self.db32 is not None else None
         none = hidden.new_empty(0)
         return (dh if dh is not None else none, dw if dw is not None else none.clone(),
@@ -290,10 +313,15 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-10
     lse = empty((t,), dtype=torch.float32, device=dev)
     z_rows = empty((t,), dtype=torch.float32, device=dev) if z_loss else loss_rows
     count = (target != ignore_index).sum()
-    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need) if grad else None
+    kernel_count, mean, post = count, reduction == "mean", None
+    if grad and hidden.dtype == torch.float16:  # see FP16_GRAD_SCALE
+        kernel_count = torch.full((), 1.0 / FP16_GRAD_SCALE, dtype=torch.float32, device=dev)
+        post = kernel_count / count if mean else kernel_count
+        mean = True
+    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=post) if grad else None
     for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
-        _ce_forward(logits, target[s:e], count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
-                    label_smoothing, z_loss, softcap, reduction == "mean", grad)
+        _ce_forward(logits, target[s:e], kernel_count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
+                    label_smoothing, z_loss, softcap, mean, grad)
         if grad:
             grads.add_chunk(logits, h_c, s)
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
@@ -317,10 +345,14 @@ def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_ind
     (t, _), v = hidden.shape, weight.shape[0]
     need = (need_dhidden, need_dweight, need_dbias and bias is not None)
     rows = chunk_rows(t, v, hidden.element_size(), chunk_size)
-    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need)
+    inv_scale = None
+    if hidden.dtype == torch.float16:  # see FP16_GRAD_SCALE
+        inv_scale = torch.full((), 1.0 / FP16_GRAD_SCALE, dtype=torch.float32, device=hidden.device)
+    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=inv_scale)
     target = target.contiguous()
     for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
-        _ce_backward(logits, target[s:e], lse[s:e], grad[s:e], ignore_index, label_smoothing, z_loss, softcap)
+        _ce_backward(logits, target[s:e], lse[s:e], grad[s:e], ignore_index, label_smoothing, z_loss, softcap,
+                     inv_scale)
         grads.add_chunk(logits, h_c, s)
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     return grads.result(hidden, weight, bias)
