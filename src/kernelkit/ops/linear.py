@@ -92,16 +92,22 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    # Rows past M and columns past N re-read row / column 0 instead of being masked (the store drops them), so
-    # the loads' only mask is the K tail. Offsets are int64 (a transposed x has stride_ak = M: k * M can pass
-    # 2^31), computed once; the loop moves the pointers. Recomputing int64 (M, K) and (K, N) offsets every K
-    # step held this kernel at 585 TF/s at 4096^3 on the H100, where the ladder's pointer-stepping hgemm rung
-    # reached 692. No max_contiguous/multiple_of hints on rows or columns: a clamped tail tile is not
-    # contiguous, and with a transposed x (stride_am = 1) a vector load trusting the hint would read past M.
-    rm_in = tl.where(m_ok, rm, 0).to(tl.int64)
-    rn_in = tl.where(n_ok, rn, 0).to(tl.int64)
-    a_ptrs = A + rm_in[:, None] * stride_am + rk[None, :].to(tl.int64) * stride_ak
-    b_ptrs = B + rk[:, None].to(tl.int64) * stride_bk + rn_in[None, :] * stride_bn
+    # Offsets are int64 (a transposed x has stride_ak = M: k * M can pass 2^31), computed once; the loop moves
+    # the pointers (recomputing int64 (M, K) and (K, N) offsets every K step: 585 vs 597 TF/s at 4096^3 on the
+    # H100, near the noise).
+    # Rows past M and columns past N are masked, not clamped to row 0: indices built from tl.arange keep their
+    # contiguity, so an N-contiguous B (matmul's row-major (K, N)) or an M-contiguous x still gets wide
+    # vector loads. Clamped indices lose it: that B fell from ~550 to 49 TF/s at 4096^3 (measured).
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    rk64 = rk.to(tl.int64)
+    a_ptrs = A + rm64[:, None] * stride_am + rk64[None, :] * stride_ak
+    # nn.Linear's weight makes B K-contiguous (stride_bk = 1). Measured on the H100 (Triton 3.6, bf16, 4096^3,
+    # scripts/gemm_configs.py): this kernel reaches 0.70-0.72x of cuBLAS with it and 0.92x (706-719 TF/s,
+    # 128x256x64 tiles) with an N-contiguous B; loading the K-contiguous tile as (BLOCK_N, BLOCK_K) and
+    # handing tl.trans(...) to the MMA changed nothing. The next step is TMA descriptors (the ladder's
+    # persistent_tma rung).
+    b_ptrs = B + rk64[:, None] * stride_bk + rn64[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The up half of a swiglu gate-up weight. Defined for every activation: the compiler needs a loop-carried
     # value defined before the loop, and drops both when ACTIVATION is not "swiglu".
@@ -111,19 +117,21 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     step_b = BLOCK_K * stride_bk
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc, acc_up = gate_up_step(a, b, acc, acc_up, up_ptrs, k_ok[:, None], ACTIVATION == "swiglu",
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & n_ok[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        acc, acc_up = gate_up_step(a, b, acc, acc_up, up_ptrs, b_mask, ACTIVATION == "swiglu",
                                    INTERPRETER_DOT, INPUT_PRECISION)
         a_ptrs += step_a
         b_ptrs += step_b
-        up_ptrs += step_b
+        if ACTIVATION == "swiglu":  # otherwise up_ptrs stays loop-invariant and the compiler drops it
+            up_ptrs += step_b
 
     # Epilogue, in fp32 registers before the one store: bias, activation, scale, residual.
     if HAS_BIAS:
-        acc += tl.load(BIAS + rn_in * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + rn64 * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACTIVATION == "swiglu":
-            acc_up += tl.load(BIAS + (rn_in + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(BIAS + (rn64 + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACTIVATION == "swiglu":
         acc = acc * tl.sigmoid(acc) * acc_up
     else:
@@ -131,7 +139,6 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     if HAS_SCALE:
         acc = acc * scale
     mask = m_ok[:, None] & n_ok[None, :]
-    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
     if HAS_RESIDUAL:
         acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn, mask=mask,
                        other=0.0).to(tl.float32)

@@ -1,0 +1,85 @@
+"""Diagnose kernelkit.linear's GEMM on the GPU: every config of its autotune list launched directly (registers,
+spills, TFLOP/s), the config the autotuner picks, the ladder's hgemm rungs with the same tiles, and cuBLAS,
+side by side at a few bf16 shapes. Usage: python3 scripts/gemm_configs.py [--out FILE.json]"""
+
+import argparse
+import json
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import kernelkit
+from kernelkit.ladder import hgemm
+from kernelkit.ops import linear as L
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for m, k, n in ((4096, 4096, 4096), (8192, 4096, 14336)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = x @ w.t()
+        cublas = do_bench(lambda: torch.mm(x, w.t(), out=out), rep=200)
+        rows.append({"shape": [m, k, n], "what": "cublas", "tflops": tflops(m, n, k, cublas)})
+        print(f"{m}x{k}x{n} cuBLAS {tflops(m, n, k, cublas):.0f} TF/s", flush=True)
+        w_kn = w.t().contiguous().t()  # the same values with W^T (K, N) row-major: N contiguous, not K
+        for cfg, wl in [(c, wl) for c in L.linear_fwd_kernel.configs[1:] for wl in ("nn.Linear (N, K)", "(K, N)")]:
+            kw = dict(cfg.kwargs)
+            grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]),)
+            ww = w if wl.startswith("nn") else w_kn
+            if ww is w_kn and kw["BLOCK_M"] * kw["BLOCK_N"] < 128 * 128:
+                continue
+
+            def run():
+                return L.linear_fwd_kernel.fn[grid](
+                    x, ww, out, x, x, x.stride(0), x.stride(1), ww.stride(1), ww.stride(0), out.stride(0),
+                    out.stride(1), 0, 0, 0, m, n, k, triton.next_power_of_2(m), 1.0, ACTIVATION=None,
+                    HAS_BIAS=False, HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION=None,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
+            try:
+                compiled = run()
+                ms = do_bench(run, rep=200)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row = {"shape": [m, k, n], "what": "linear", "weight": wl, "config": str(cfg), "tflops": tflops(m, n, k, ms),
+                       "regs": compiled.n_regs, "spills": compiled.n_spills, "err": err}
+            except Exception as e:  # out of shared memory, etc.
+                row = {"shape": [m, k, n], "what": "linear", "weight": wl, "config": str(cfg), "error": str(e)[:200]}
+            rows.append(row)
+            print(row, flush=True)
+        y = kernelkit.matmul(x, w.t())  # through the autotuner
+        ms = do_bench(lambda: kernelkit.matmul(x, w.t()), rep=200)
+        best = getattr(L.linear_fwd_kernel, "best_config", None)
+        rows.append({"shape": [m, k, n], "what": "kernelkit.matmul (autotuned)", "tflops": tflops(m, n, k, ms),
+                     "best_config": str(best), "err": ((y.float() - ref.float()).norm() / ref.float().norm()).item()})
+        print(rows[-1], flush=True)
+        c = torch.empty_like(out)
+        for name, p, b in (("ladder wide_tiles, B (K, N) row-major", hgemm._WIDE, w.t().contiguous()),
+                           ("ladder wide_tiles, B = nn.Linear weight.t()", hgemm._WIDE, w.t())):
+            meta = {q: p[q] for q in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+            grid = (triton.cdiv(m, p["BLOCK_M"]) * triton.cdiv(n, p["BLOCK_N"]),)
+
+            def lrun():
+                return hgemm.hgemm_kernel[grid](x, b, c, m, n, k, x.stride(0), x.stride(1), b.stride(0), b.stride(1),
+                                                c.stride(0), c.stride(1), num_warps=p["num_warps"],
+                                                num_stages=p["num_stages"], **meta)
+            compiled = lrun()
+            ms = do_bench(lrun, rep=200)
+            rows.append({"shape": [m, k, n], "what": name, "config": str(p), "tflops": tflops(m, n, k, ms),
+                         "regs": compiled.n_regs, "spills": compiled.n_spills})
+            print(rows[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
