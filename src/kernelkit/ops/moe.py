@@ -647,7 +647,11 @@ register(OpSpec(
     layout_shape=(13, 16, 12, 4, 2),
     # The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: through the chain's four bf16
     # roundings (h, the expert outputs, d(gate, up), the weighted dout) that measured up to 1.05e-2 against
-    # float64 at the test shapes, where torch's bf16 per-expert loop measures 4-7e-3.
-    tolerances={"bfloat16": 2e-2},
+    # float64 at the test shapes, where torch's bf16 per-expert loop measures 4-7e-3. float16: the router's
+    # gradient goes through the softmax/top-k Jacobian, which subtracts the selected experts' nearly equal
+    # <dout, expert output> products, so the fp16 rounding of h (~5e-4) can grow several-fold there; with x
+    # broadcast (every token the same, the errors add up coherently) it measured 7.2e-3 on the H100 in one of
+    # two `check all` runs (fp32 and bf16 passed; the output and the other gradients stayed within 2e-3).
+    tolerances={"bfloat16": 2e-2, "float16": 1e-2},
     doc="MoE SwiGLU MLP: torch router (softmax/sigmoid top-k), grouped-GEMM experts, forward+backward.",
 ))
