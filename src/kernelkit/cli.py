@@ -190,7 +190,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                                                           "|out - ref| <= atol + rtol |ref| everywhere"),
           json_out: Optional[Path] = typer.Option(None, "--json", help="candidate files: write the report here"),
           jobs: int = typer.Option(0, min=0, help="'all': ops checked side by side, each in its own process "
-                                                  "(compiling is CPU-bound); 0 picks 4 on a GPU, 1 on the CPU"),
+                                                  "(compiling is CPU-bound); 0 picks min(6, CPUs / 2) on a GPU, 1 on the CPU"),
           rows_out: Optional[Path] = typer.Option(None, "--rows-json", hidden=True,
                                                   help="write the result rows here (check all --jobs)")):
     """Check an op against its float64 reference on fresh random inputs (poisoned outputs, grads, races).
@@ -237,7 +237,8 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         raise typer.Exit(2)
 
     if jobs == 0:
-        jobs = min(4, os.cpu_count() or 1) if device.startswith("cuda") else 1
+        # H100 host, 16 CPUs, cold caches: 4 side by side 173 s, 6 154 s (no out-of-memory at 6)
+        jobs = max(1, min(6, (os.cpu_count() or 2) // 2)) if device.startswith("cuda") else 1
     if op == "all" and jobs > 1 and rows_out is None:
         flags = ["--dtype", dtype, "--device", device, "--trials", str(trials)] + ["--small"] * small + \
             ["--no-layouts"] * (not layouts)
