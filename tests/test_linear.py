@@ -232,3 +232,26 @@ def test_registry_cost():
     assert c.flops == 2 * 64 * 32 * 48 and c.dtype == "bf16"
     assert c.bytes == 2 * (64 * 32 + 48 * 32 + 48 + 64 * 48)
     assert spec.cost(x, w, b, backward=True).flops == 4 * 64 * 32 * 48
+
+
+@pytest.mark.parametrize("m,k,n", [(3, 0, 4), (3, 5, 0), (0, 5, 4)])
+def test_backward_with_an_empty_dimension(m, k, n, device):
+    # F.linear's backward gives empty or zero gradients here; reshape(-1, 0) of an empty tensor used to raise.
+    x = torch.randn(m, k, device=device, requires_grad=True)
+    w = torch.randn(n, k, device=device, requires_grad=True)
+    b = torch.randn(n, device=device, requires_grad=True)
+    kernelkit.linear(x, w, b).sum().backward()
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(xr, wr, br).sum().backward()
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got.shape == want.shape and torch.equal(got.double(), want)
+
+
+def test_a_scale_that_requires_grad_is_refused(device):
+    # scale is a constant of the epilogue: a tensor needing a gradient would silently get none.
+    x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
+    s = torch.tensor(0.5, device=device, requires_grad=True)
+    with pytest.raises(TypeError, match="scale is a tensor that requires grad"):
+        kernelkit.linear(x, w, scale=s)
+    with torch.no_grad():
+        torch.testing.assert_close(kernelkit.linear(x, w, scale=s), 0.5 * x @ w.t())

@@ -62,9 +62,9 @@ def _activate(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "silu":
         z = z * tl.sigmoid(z)
     elif ACTIVATION == "relu":
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu (PTX max drops it)
     elif ACTIVATION == "relu2":
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu (PTX max drops it)
         z = z * z
     return z
 
@@ -260,14 +260,15 @@ def _grad_inputs(dy, x, weight, bias, residual, activation, scale, allow_tf32, n
     price of a third GEMM in the backward. Whether saving z (one more M×N store in the forward) pays
     is a measurement for the H100."""
     k = x.shape[-1]
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    m = x.numel() // k if k else math.prod(x.shape[:-1])  # explicit: reshape(-1, 0) of an empty tensor fails
+    dy2 = dy.reshape(m, dy.shape[-1])
     dh = dy2.float() * scale if scale is not None else dy2.float()
     if activation is not None:
         z = preact(x, weight, bias, None, None, None, torch.float32, allow_tf32).reshape(-1, weight.shape[0])
         dh = _act_grad(z, dh, activation)
     dz = dh.to(x.dtype)
     dx = (dz @ weight).view(*x.shape[:-1], k) if needs[0] else None
-    dw = (dz.t() @ x.reshape(-1, k)).to(weight.dtype) if needs[1] else None
+    dw = (dz.t() @ x.reshape(m, k)).to(weight.dtype) if needs[1] else None
     db = dh.sum(0).to(bias.dtype) if bias is not None and needs[2] else None
     dr = dy.to(residual.dtype) if residual is not None and needs[3] else None
     return dx, dw, db, dr
@@ -356,6 +357,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Differentiable in x, weight, bias and residual; the backward GEMMs run on cuBLAS.
     """
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and getattr(x, "dtype", None) == torch.float32
+    if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+        raise TypeError("scale is a tensor that requires grad, but kernelkit.linear's scale is a constant "
+                        "(no gradient flows to it): pass a number or a detached tensor, or multiply the "
+                        "output by it outside the call")
     args = (x, weight, bias, residual, activation, None if scale is None else _validate.number(scale, "scale"),
             out_dtype, allow_tf32)
     return dispatch(_linear_op, linear_fwd, _LinearFunction, 4, args)
