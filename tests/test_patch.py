@@ -290,6 +290,100 @@ def test_padded_batch_matches_on_tokens(family, left, device):
     assert report.fallback_count("attention") == LAYERS  # fp32
 
 
+@pytest.mark.parametrize("attn,dtype", [("eager", torch.float32), ("eager", torch.bfloat16),
+                                        ("sdpa", torch.bfloat16)])
+def test_fully_masked_queries_answer_as_the_original_attention(attn, dtype, device, linear_ce):
+    """A left-padded batch with collator labels (-100 on pads): the last pad position predicts the first
+    token, so the loss reads a query that sees no valid key. Eager attention gives it uniform weights over
+    every key, SDPA zeros; the patched model must answer as the implementation it replaced (it wrote
+    zeros under eager: fp32 loss 5.1001 vs 5.1018, lm_head grad 16% off, bf16 up to 84%)."""
+    ref = tiny_model("llama", device=device, attn=attn).train()
+    ref_dtype = copy.deepcopy(ref).to(dtype)
+    model = copy.deepcopy(ref_dtype)
+    report = patch(model)
+    ids, _ = batch(b=2, s=12)
+    ids = ids.to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    outs = [m(ids, attention_mask=mask, labels=labels) for m in (model, ref_dtype, ref)]
+    for o in outs:
+        o.loss.backward()
+    (got, hf, want), names = [_grads(m) for m in (model, ref_dtype, ref)], list(_grads(ref))
+    if dtype == torch.float32:
+        close(outs[0].loss, outs[2].loss, what="loss")
+        for n in names:
+            close(got[n], want[n], what=f"grad {n}")
+    else:  # as close to the fp32 model as Hugging Face's own bf16 model, within a margin
+        for n in names:
+            err, hf_err = (got[n].float() - want[n]).abs().max(), (hf[n].float() - want[n]).abs().max()
+            assert err <= 2 * hf_err + 1e-2 * want[n].abs().max(), f"grad {n}: {err:.3g} vs HF bf16 {hf_err:.3g}"
+    if dtype == torch.bfloat16:
+        assert report.fallback_count("attention") == 0, report.fallbacks
+
+
+class _Lora(torch.nn.Module):
+    """What peft's lora.Linear looks like: the base layer, a low-rank delta, the base weight exposed."""
+
+    def __init__(self, base, r=4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Linear(base.in_features, r, bias=False, device=base.weight.device)
+        self.lora_b = torch.nn.Linear(r, base.out_features, bias=False, device=base.weight.device)
+        torch.nn.init.normal_(self.lora_b.weight, std=0.5)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+
+@pytest.mark.parametrize("change", ["lora", "hook"])
+def test_lm_head_changed_after_patch_is_called(change, device, linear_ce):
+    """The fused loss reads lm_head.weight without calling the module: an adapter wrapped around lm_head
+    after the patch (its delta got no gradient) or a forward hook must make the call take the model's own
+    forward, counted in the report."""
+    ref = tiny_model("llama", device=device).train()
+    model = copy.deepcopy(ref)
+    report = patch(model)
+    for m in (model, ref):
+        torch.manual_seed(3)
+        if change == "lora":
+            m.lm_head = _Lora(m.lm_head)
+        else:
+            m.lm_head.register_forward_hook(lambda mod, args, out: out * 1.5)
+    ids, labels = batch()
+    ids, labels = ids.to(device), labels.to(device)
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    close(out.loss, want.loss, what="loss")
+    out.loss.backward()
+    want.loss.backward()
+    got, expected = _grads(model), _grads(ref)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        close(got[name], expected[name], what=f"grad {name}")
+    assert report.fallback_count("cross_entropy") == 1, report.fallbacks
+
+
+def test_tuple_output_keeps_the_logits_place(device, linear_ce):
+    """return_dict=False: the fused loss has no logits, but the tuple keeps their place (None), so that
+    code unpacking the model's own tuple by position still reads the right fields."""
+    ref = tiny_model("llama", device=device).train()
+    model = copy.deepcopy(ref)
+    patch(model)
+    ids, labels = batch()
+    ids, labels = ids.to(device), labels.to(device)
+    got, want = model(ids, labels=labels, return_dict=False), ref(ids, labels=labels, return_dict=False)
+    assert len(got) == len(want) and got[1] is None
+    close(got[0], want[0], what="loss")
+
+
 def test_output_attentions_falls_back_and_is_counted(device):
     ref = tiny_model("llama", device=device, dtype=torch.bfloat16).eval()
     model = copy.deepcopy(ref)

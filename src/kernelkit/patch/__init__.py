@@ -159,6 +159,7 @@ def _patch_attention(model, fam: Family, report, undo) -> None:
         report.skip("attention", "composite (multimodal) config: attention left to its sub-models' settings")
         return
     attention.register()
+    original = getattr(config, "_attn_implementation", None)
     private = copy.deepcopy(config)
     private._attn_implementation = attention.NAME
     for m in model.modules():
@@ -166,8 +167,12 @@ def _patch_attention(model, fam: Family, report, undo) -> None:
             undo.set(m, "config", private)
     for cls, mods in found.items():
         for m in mods:
-            undo.set(m, "_kernelkit", attention.AttentionSettings(report))
+            undo.set(m, "_kernelkit", attention.AttentionSettings(report, original))
         report.add("attention", cls, f'kernelkit attention (AttentionInterface "{attention.NAME}")', len(mods))
+    if getattr(config, "attn_logit_softcapping", None) and original != "eager":
+        report.note(f"attention logit softcap {config.attn_logit_softcapping:g} applied: the model's "
+                    f"{original!r} attention skipped it, its eager attention applies it (kernelkit computes the "
+                    f"model as trained)")
 
 
 def _patch_loss(model, fam: Family, report, undo) -> None:

@@ -15,7 +15,15 @@ attention function then runs:
 - anything else (a 4-D mask, output_attentions, dropout in training, fp32 or head_dim > 256, CPU tensors
   outside the interpreter, a padding mask under torch.compile, where unpadding needs the lengths on the
   host): Hugging Face's SDPA function on the equivalent dense mask, or the model's own eager function
-  when attention weights or a logit softcap are asked for (SDPA has no softcap). Counted in the report.
+  when attention weights or a logit softcap are asked for (SDPA has no softcap) or when the model used
+  eager attention before the patch. Counted in the report.
+
+Fully masked query rows (a left-padded row's pad queries see no valid key; with a sliding window, right
+padding far past the last token too) have no defined attention; implementations differ and the loss can
+read them (a collator's labels make the last pad position predict the first token). kernelkit answers as
+the implementation the model had before the patch: zeros as SDPA and flash-attention do, or, for a model
+that used eager attention, eager's own function on those rows (uniform weights over every key, and the
+gradient autograd gives it).
 """
 
 from __future__ import annotations
@@ -41,8 +49,11 @@ _registered = False
 
 @dataclass
 class AttentionSettings:
-    """Set on each patched attention module as `_kernelkit`: where its fallbacks are counted."""
+    """Set on each patched attention module as `_kernelkit`: where its fallbacks are counted, and the
+    attention implementation the model had before the patch ("eager", "sdpa", ...), whose answers on
+    fully masked query rows kernelkit reproduces."""
     report: object
+    original: Optional[str] = None
 
 
 def register() -> None:
@@ -158,7 +169,32 @@ def _plan_runs(mask: torch.Tensor):
         return None
     indices = mask.reshape(-1).nonzero().squeeze(1)
     cu_seqlens = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
-    return indices, cu_seqlens, int(lens.max()) if lens.numel() else 0
+    return _Plan(indices, cu_seqlens, int(lens.max()) if lens.numel() else 0, first, lens, {})
+
+
+@dataclass
+class _Plan:
+    indices: torch.Tensor      # flat (batch * seq) positions of the valid tokens
+    cu_seqlens: torch.Tensor   # int32 (batch + 1,)
+    max_seqlen: int
+    first: torch.Tensor        # (batch,) position of each row's first valid token
+    lens: torch.Tensor         # (batch,) valid tokens per row
+    empty_rows: dict           # (causal, sliding_window) -> [(batch index, query positions)] of fully masked queries
+
+    def fully_masked(self, seq: int, causal: bool, sliding_window) -> list:
+        """Per batch row with any, (row, positions) of the queries that see no valid key (read on the host
+        once per mask and rule)."""
+        key = (bool(causal), sliding_window)
+        if key not in self.empty_rows:
+            i = torch.arange(seq, device=self.first.device)[None, :]
+            last = (self.first + self.lens - 1)[:, None]
+            hi = torch.minimum(i, last) if causal else last.expand(-1, seq)
+            lo = self.first[:, None].expand(-1, seq)
+            if sliding_window:
+                lo = torch.maximum(lo, i - sliding_window + 1)
+            full = (lo > hi).cpu()
+            self.empty_rows[key] = [(b, row.nonzero().squeeze(1)) for b, row in enumerate(full) if row.any()]
+        return self.empty_rows[key]
 
 
 def _dense_mask(pad: Optional[torch.Tensor], query, key, causal: bool, sliding_window,
@@ -179,12 +215,20 @@ def _dense_mask(pad: Optional[torch.Tensor], query, key, causal: bool, sliding_w
     return ok & pad[:, None, None, :].to(torch.bool) if pad is not None else ok
 
 
+def _eager_function(module):
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _was_eager(module) -> bool:
+    return getattr(getattr(module, "_kernelkit", None), "original", None) == "eager"
+
+
 def _fallback(module, query, key, value, mask, dropout, scaling, sliding_window, softcap, causal, kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     extra = dict(kwargs, sliding_window=sliding_window, softcap=softcap)
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if (_wants_weights(module, kwargs) or softcap is not None) and eager is not None:
+    eager = _eager_function(module)
+    if (_wants_weights(module, kwargs) or softcap is not None or _was_eager(module)) and eager is not None:
         # The modeling file's own eager function (it applies the softcap where the model has one), on
         # the additive mask it expects.
         if mask is None or mask.dim() == 2:
@@ -222,12 +266,36 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if runs is None:
         return attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=scaling), None
-    indices, cu_seqlens, max_seqlen = runs
     b, s, h, d = q.shape
 
     def packed(x):
-        return x.reshape(b * s, x.shape[2], d).index_select(0, indices)
+        return x.reshape(b * s, x.shape[2], d).index_select(0, runs.indices)
 
     o = attention(packed(q), packed(k), packed(v), causal=causal, window=window, softcap=softcap,
-                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, scale=scaling)
-    return o.new_zeros(b * s, h, d).index_copy(0, indices, o).view(b, s, h, d), None
+                  cu_seqlens=runs.cu_seqlens, max_seqlen=runs.max_seqlen, scale=scaling)
+    o = o.new_zeros(b * s, h, d).index_copy(0, runs.indices, o).view(b, s, h, d)
+    eager = _eager_function(module)
+    if _was_eager(module) and eager is not None:
+        o = _eager_on_empty_rows(o, eager, module, query, key, value, runs.fully_masked(s, causal, sliding_window),
+                                 scaling, sliding_window, softcap, kwargs)
+    return o, None
+
+
+def _eager_on_empty_rows(o, eager, module, query, key, value, empty, scaling, sliding_window, softcap, kwargs):
+    """Eager attention's answer on the fully masked query rows (`empty`: (batch row, positions)), written
+    into `o` (batch, seq, heads, d): the model's own eager function on those queries against every key,
+    all masked, as Hugging Face's eager path computes them."""
+    if not empty:
+        return o
+    rows, cols, vals = [], [], []
+    for bi, pos in empty:
+        pos = pos.to(query.device)
+        q = query[bi:bi + 1].index_select(2, pos)
+        mask = torch.full((1, 1, pos.numel(), key.shape[2]), torch.finfo(query.dtype).min, dtype=query.dtype,
+                          device=query.device)
+        out, _ = eager(module, q, key[bi:bi + 1], value[bi:bi + 1], mask, dropout=0.0, scaling=scaling,
+                       **dict(kwargs, sliding_window=sliding_window, softcap=softcap))
+        rows.append(torch.full_like(pos, bi))
+        cols.append(pos)
+        vals.append(out[0].to(o.dtype))
+    return o.index_put((torch.cat(rows), torch.cat(cols)), torch.cat(vals))

@@ -7,11 +7,14 @@ one (or the caller's `shift_labels`), the hidden states of `logits_to_keep`, the
 `final_logit_softcapping`, 'mean' over non-ignored tokens or 'sum' / `num_items_in_batch`, and for MoE
 families the router's load-balancing loss. It returns the model's usual output with ``logits=None``.
 Without labels, or in eval mode (where evaluation loops read the logits, as in Liger), or with a custom
-`loss_function`, the model's own forward runs.
+`loss_function`, or when the lm_head is no longer a plain nn.Linear at call time (a LoRA wrapper, a
+quantized or subclassed Linear, forward hooks: the fused loss reads lm_head.weight and never calls the
+module), the model's own forward runs, counted in the report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -61,13 +64,34 @@ def causal_lm_forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    weight = self.lm_head.weight
-    reason = (CPU_REASON if not runs_kernels(weight) else
-              "custom loss_function" if self.loss_function is not ForCausalLMLoss else None)
+    reason = _plain_linear(self.lm_head)
+    if reason is None:
+        reason = (CPU_REASON if not runs_kernels(self.lm_head.weight) else
+                  "custom loss_function" if self.loss_function is not ForCausalLMLoss else None)
     if reason is not None:
         kk.report.fell_back("cross_entropy", reason)
         return type(self).forward(self, *args, **kwargs)
     return _fused(self, kk, call)
+
+
+def _plain_linear(lm_head) -> str | None:
+    """None when calling `lm_head` is exactly F.linear(x, lm_head.weight, lm_head.bias) — what the fused
+    loss computes without calling it — else why not. Checked on every call: a LoRA adapter, a quantized
+    or subclassed Linear, an instance forward, or forward hooks (FSDP's all-gather, weight norm, user hooks)
+    put on after the patch must run, so such a call takes the model's own forward."""
+    nn = torch.nn
+    if not isinstance(lm_head, nn.Linear) or type(lm_head).forward is not nn.Linear.forward \
+            or "forward" in vars(lm_head):
+        return "lm_head is not a plain nn.Linear (wrapped, subclassed or its forward replaced)"
+    from torch.nn.modules import module as nn_module
+
+    hooks = (lm_head._forward_hooks, lm_head._forward_pre_hooks, nn_module._global_forward_hooks,
+             nn_module._global_forward_pre_hooks)
+    if any(hooks):
+        return "forward hooks on lm_head"
+    if not isinstance(lm_head.weight, torch.Tensor) or type(lm_head.weight) not in (torch.Tensor, nn.Parameter):
+        return "lm_head weight is not a plain tensor"
+    return None
 
 
 def _fused(model, kk: LossSettings, call: dict):
@@ -110,4 +134,8 @@ def _fused(model, kk: LossSettings, call: dict):
         out = MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
     else:
         out = CausalLMOutputWithPast(**common)
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # to_tuple() drops None fields: keep logits' place (None) so that positions match the model's own tuple.
+    return tuple(getattr(out, f.name) for f in dataclasses.fields(out)
+                 if f.name == "logits" or getattr(out, f.name) is not None)

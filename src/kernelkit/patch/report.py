@@ -24,15 +24,24 @@ class PatchReport:
     model: str
     family: str
     replaced: list[Replacement] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (what, why), each pair once
+    skipped_count: dict[tuple[str, str], int] = field(default_factory=dict)  # how many instances per pair
     fallbacks: dict[tuple[str, str], int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # where the patched model computes differently, and why
 
     def add(self, kind: str, target: str, op: str, count: int) -> None:
         if count:
             self.replaced.append(Replacement(kind, target, op, count))
 
     def skip(self, what: str, why: str) -> None:
-        self.skipped.append((what, why))
+        key = (what, why)
+        if key not in self.skipped_count:
+            self.skipped.append(key)
+        self.skipped_count[key] = self.skipped_count.get(key, 0) + 1
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     def fell_back(self, kind: str, reason: str) -> None:
         key = (kind, reason)
@@ -62,9 +71,11 @@ class PatchReport:
         for r in self.replaced:
             t.add_row(r.kind, r.target, str(r.count), r.op)
         for what, why in self.skipped:
-            t.add_row("left alone", what, "", why, style="dim")
+            t.add_row("left alone", what, str(self.skipped_count.get((what, why), 1)), why, style="dim")
         for (kind, reason), n in sorted(self.fallbacks.items()):
             t.add_row("fallback", kind, _calls(n), reason, style="yellow")
+        for text in self.notes:
+            t.add_row("note", "", "", text, style="cyan")
         return t
 
     def __rich__(self):
@@ -72,8 +83,9 @@ class PatchReport:
 
     def __str__(self) -> str:
         rows = [(r.kind, r.target, str(r.count), r.op) for r in self.replaced]
-        rows += [("left alone", what, "", why) for what, why in self.skipped]
+        rows += [("left alone", what, str(self.skipped_count.get((what, why), 1)), why) for what, why in self.skipped]
         rows += [("fallback", kind, _calls(n), reason) for (kind, reason), n in sorted(self.fallbacks.items())]
+        rows += [("note", "", "", text) for text in self.notes]
         head = ("kind", "module", "count", "now runs")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
         lines = [f"kernelkit.patch: {self.model} ({self.family})"]
