@@ -21,8 +21,9 @@ def tflops(m, n, k, ms):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    args = ap.parse_args()
     rows = []
+    ap.add_argument("--pointer", action="store_true", help="also sweep the pointer kernel's configs")
+    args = ap.parse_args()
     for m, k, n in ((4096, 4096, 4096), (8192, 4096, 14336)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -32,7 +33,8 @@ def main():
         rows.append({"shape": [m, k, n], "what": "cublas", "tflops": tflops(m, n, k, cublas)})
         print(f"{m}x{k}x{n} cuBLAS {tflops(m, n, k, cublas):.0f} TF/s", flush=True)
         w_kn = w.t().contiguous().t()  # the same values with W^T (K, N) row-major: N contiguous, not K
-        for cfg, wl in [(c, wl) for c in L.linear_fwd_kernel.configs[1:] for wl in ("nn.Linear (N, K)", "(K, N)")]:
+        for cfg, wl in [(c, wl) for c in L.linear_fwd_kernel.configs[1:] for wl in ("nn.Linear (N, K)", "(K, N)")
+                        if args.pointer]:
             kw = dict(cfg.kwargs)
             grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]),)
             ww = w if wl.startswith("nn") else w_kn
@@ -55,9 +57,36 @@ def main():
                 row = {"shape": [m, k, n], "what": "linear", "weight": wl, "config": str(cfg), "error": str(e)[:200]}
             rows.append(row)
             print(row, flush=True)
+        # The TMA path (linear_tma_kernel): persistent, descriptors; both weight layouts.
+        from kernelkit.tune import ensure_tma_allocator, num_sms
+        ensure_tma_allocator()
+        sms = num_sms(x.device)
+        for cfg, wl in [(c, wl) for c in L.linear_tma_kernel.configs[1:] for wl in ("nn.Linear (N, K)", "(K, N)")]:
+            kw = dict(cfg.kwargs)
+            kmajor = wl.startswith("nn")
+            ww = w if kmajor else w_kn
+            grid = (min(sms, triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"])),)
+
+            def trun():
+                return L.linear_tma_kernel.fn[grid](
+                    x, ww, out, x, x, x.stride(0), ww.stride(0) if kmajor else ww.stride(1), out.stride(0),
+                    0, 0, 0, m, n, k, triton.next_power_of_2(m), 1.0, NUM_SMS=sms, B_KMAJOR=kmajor,
+                    ACTIVATION=None, HAS_BIAS=False, HAS_RESIDUAL=False, HAS_SCALE=False, INPUT_PRECISION=None,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
+            try:
+                out.fill_(float("nan"))
+                compiled = trun()
+                ms = do_bench(trun, rep=200)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg),
+                       "tflops": tflops(m, n, k, ms), "regs": compiled.n_regs, "spills": compiled.n_spills, "err": err}
+            except Exception as e:  # out of shared memory, etc.
+                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg), "error": str(e)[:200]}
+            rows.append(row)
+            print(row, flush=True)
         y = kernelkit.matmul(x, w.t())  # through the autotuner
         ms = do_bench(lambda: kernelkit.matmul(x, w.t()), rep=200)
-        best = getattr(L.linear_fwd_kernel, "best_config", None)
+        best = getattr(L.linear_tma_kernel, "best_config", None) or getattr(L.linear_fwd_kernel, "best_config", None)
         rows.append({"shape": [m, k, n], "what": "kernelkit.matmul (autotuned)", "tflops": tflops(m, n, k, ms),
                      "best_config": str(best), "err": ((y.float() - ref.float()).norm() / ref.float().norm()).item()})
         print(rows[-1], flush=True)

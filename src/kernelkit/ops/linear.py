@@ -15,6 +15,7 @@ activation's derivative to dy in PyTorch; the pre-activation z is recomputed wit
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, cdiv, interpreting, launch, next_pow2
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
@@ -145,6 +146,102 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     tl.store(C + rm64[:, None] * stride_cm + rn64[None, :] * stride_cn, acc.to(C.dtype.element_ty), mask=mask)
 
 
+def _tma_configs() -> list:
+    # Shared memory per config: stages x (A box + B box, + the up box with swiglu) + the C box of the store,
+    # within the 227 KB of an H100 SM (the autotuner skips configs that do not fit). 64-row tiles for small M.
+    cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=4)]
+    for bm, bn, bk, stages, warps in ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
+                                      (128, 128, 64, 5, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4),
+                                      (64, 256, 64, 4, 8), (128, 64, 64, 4, 4)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_stages=stages, num_warps=warps))
+    return cfgs
+
+
+@triton.jit
+def _tma_dot(a, b, acc, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    if B_KMAJOR:  # a (BLOCK_N, BLOCK_K) box of the weight: the MMA reads it transposed from shared memory
+        b = tl.trans(b)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@autotune(_tma_configs(), key=["M_BUCKET", "N", "K"])
+@triton.jit
+def linear_tma_kernel(A, B, C, BIAS, RES,
+                      stride_am,  # x (M, K), K-contiguous
+                      stride_b,  # the weight's non-unit stride: (N_total, K) K-contiguous, or (K, N_total)
+                      stride_cm,  # out (M, N), N-contiguous
+                      stride_rm, stride_rn, stride_bias,
+                      M, N, K, M_BUCKET, scale, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
+                      ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """The Hopper path of linear_fwd_kernel (same epilogue): persistent (one program per SM walks the output
+    tiles in grouped order, so the next tile's loads overlap the last tile's epilogue), operands copied by
+    the TMA engine through tensor descriptors (whole swizzled boxes into shared memory, out-of-range rows
+    and columns zero-filled, out-of-range stores dropped: no masks or address arithmetic in the K loop).
+    nn.Linear's (N, K) weight is read as K-major (BLOCK_N, BLOCK_K) boxes that the MMA takes transposed:
+    the layout the pointer kernel could not feed at full speed."""
+    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    if ACTIVATION == "swiglu":  # the up half: rows [N, 2N) of a K-major weight, columns [N, 2N) otherwise
+        if B_KMAJOR:
+            u_desc = tl.make_tensor_descriptor(B + N * stride_b, shape=[N, K], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            u_desc = tl.make_tensor_descriptor(B + N, shape=[K, N], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            a = a_desc.load([off_m, ks * BLOCK_K])
+            if B_KMAJOR:
+                b = b_desc.load([off_n, ks * BLOCK_K])
+            else:
+                b = b_desc.load([ks * BLOCK_K, off_n])
+            acc = _tma_dot(a, b, acc, B_KMAJOR, INTERPRETER_DOT, INPUT_PRECISION)
+            if ACTIVATION == "swiglu":
+                if B_KMAJOR:
+                    u = u_desc.load([off_n, ks * BLOCK_K])
+                else:
+                    u = u_desc.load([ks * BLOCK_K, off_n])
+                acc_up = _tma_dot(a, u, acc_up, B_KMAJOR, INTERPRETER_DOT, INPUT_PRECISION)
+
+        # Epilogue as linear_fwd_kernel's: bias, activation, scale, residual in fp32, then one TMA store.
+        rm64 = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn64 = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rn64 < N
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn64 * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if ACTIVATION == "swiglu":
+                acc_up += tl.load(BIAS + (rn64 + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION == "swiglu":
+            acc = acc * tl.sigmoid(acc) * acc_up
+        else:
+            acc = _activate(acc, ACTIVATION)
+        if HAS_SCALE:
+            acc = acc * scale
+        if HAS_RESIDUAL:
+            mask = (rm64 < M)[:, None] & n_ok[None, :]
+            acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn, mask=mask,
+                           other=0.0).to(tl.float32)
+        c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
+
+
 # --- launcher ---
 
 def _rows(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
@@ -197,6 +294,43 @@ def _check(x, weight, bias, residual, activation, scale, out_dtype):
     return n, out_dtype
 
 
+# The TMA path: 16-bit inputs on a Hopper-or-newer GPU (or the interpreter), unit inner strides, 16-byte aligned
+# bases and row strides (what a tensor descriptor takes). KERNELKIT_GEMM_TMA=0 turns it off (the pointer kernel).
+TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
+
+
+def _tma_layout(x2, weight, out2, n, activation):
+    """(B_KMAJOR, the weight's non-unit stride) when linear_tma_kernel can take these operands, else None."""
+    if not TMA or x2.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if x2.is_cuda:
+        if torch.cuda.get_device_capability(x2.device)[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    esize = x2.element_size()
+
+    def aligned(t, row_stride, esz):
+        return t.data_ptr() % 16 == 0 and (row_stride * esz) % 16 == 0
+
+    k = x2.shape[1]
+    if x2.stride(1) != 1 or x2.stride(0) < k or not aligned(x2, x2.stride(0), esize):
+        return None  # (a broadcast x, stride 0 along M, takes the pointer kernel)
+    if out2.stride(1) != 1 or not aligned(out2, out2.stride(0), out2.element_size()):
+        return None
+    if weight.stride(1) == 1 and weight.stride(0) >= k:  # nn.Linear's (N, K): K-major boxes
+        kmajor, stride_b = True, weight.stride(0)
+        up_offset = n * stride_b
+    elif weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]:  # a transposed (K, N), as matmul's b
+        kmajor, stride_b = False, weight.stride(1)
+        up_offset = n
+    else:
+        return None
+    if not aligned(weight, stride_b, esize) or (activation == "swiglu" and (up_offset * esize) % 16):
+        return None
+    return kmajor, stride_b
+
+
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                residual: Optional[torch.Tensor] = None, activation: Optional[str] = None,
                scale: Optional[float] = None, out_dtype: Optional[torch.dtype] = None,
@@ -213,6 +347,21 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     b = bias if bias is not None else x2
     precision = input_precision(x.dtype, allow_tf32)
     m_bucket = next_pow2(m)
+    tma = _tma_layout(x2, weight, out2, n, activation)
+    if tma is not None:
+        b_kmajor, stride_b = tma
+        if x.is_cuda:
+            ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
+        sms = num_sms(x.device)
+        grid = lambda meta: (min(sms, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+        launch(linear_tma_kernel, grid,
+               (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, precision, b_kmajor, sms),
+               x2, weight, out2, b, r2, x2.stride(0), stride_b, out2.stride(0), r2.stride(0), r2.stride(1),
+               b.stride(0) if bias is not None else 0,
+               m, n, k, m_bucket, float(scale) if scale is not None else 1.0, NUM_SMS=sms, B_KMAJOR=b_kmajor,
+               ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+               HAS_SCALE=scale is not None, INPUT_PRECISION=precision)
+        return out
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     launch(linear_fwd_kernel, grid, (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, precision),
            x2, weight, out2, b, r2,
