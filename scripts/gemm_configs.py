@@ -61,7 +61,11 @@ def main():
         from kernelkit.tune import ensure_tma_allocator, num_sms
         ensure_tma_allocator()
         sms = num_sms(x.device)
-        for cfg, wl in [(c, wl) for c in L.linear_tma_kernel.configs[1:] for wl in ("nn.Linear (N, K)", "(K, N)")]:
+        # Plus warp-specialized variants (tl.range(..., warp_specialize=True): Triton 3.6 runs a Hopper pass for it).
+        extra = [triton.Config({**c.kwargs, "WARP_SPECIALIZE": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+                 for c in L.linear_tma_kernel.configs[1:5]]
+        for cfg, wl in [(c, wl) for c in L.linear_tma_kernel.configs[1:] + extra
+                        for wl in ("nn.Linear (N, K)", "(K, N)")]:
             kw = dict(cfg.kwargs)
             kmajor = wl.startswith("nn")
             ww = w if kmajor else w_kn

@@ -70,7 +70,7 @@ def _activate(z, ACTIVATION: tl.constexpr):
     return z
 
 
-@autotune(_gemm_configs(), key=["M_BUCKET", "N", "K"])
+@autotune(_gemm_configs(), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL"])
 @triton.jit
 def linear_fwd_kernel(A, B, C, BIAS, RES,
                       stride_am, stride_ak,  # x (M, K)
@@ -149,12 +149,20 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
 def _tma_configs() -> list:
     # Shared memory per config: stages x (A box + B box, + the up box with swiglu) + the C box of the store,
     # within the 227 KB of an H100 SM (the autotuner skips configs that do not fit). 64-row tiles for small M.
-    cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=4)]
-    for bm, bn, bk, stages, warps in ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-                                      (128, 128, 64, 5, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4),
-                                      (64, 256, 64, 4, 8), (128, 64, 64, 4, 4)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_stages=stages, num_warps=warps))
+    # SUBTILE stores the C tile in two halves: half the store's shared memory, so 128x256 tiles fit 4 stages.
+    cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SUBTILE": True,
+                           "WARP_SPECIALIZE": False}, num_stages=3, num_warps=4)]
+    # WS: tl.range(warp_specialize=True), which Triton 3.6 compiles for Hopper too (a producer warp feeding
+    # the MMA warpgroups). Swept on the H100 (benchmarks/results/h100/gemm/gemm_configs-tma.json, bf16, no
+    # epilogue): 128x256x64 with split stores and WS was the best at 8192x4096x14336 (686-693 TF/s, cuBLAS 687);
+    # 128x256x64, 3 stages, without either, the best at 4096^3 (716, cuBLAS 769 in that run).
+    for bm, bn, bk, stages, warps, sub, ws in ((128, 256, 64, 3, 8, False, False), (128, 256, 64, 4, 8, True, False),
+                                               (128, 256, 64, 4, 8, True, True), (128, 128, 64, 4, 8, False, False),
+                                               (128, 128, 64, 4, 4, False, False), (128, 128, 64, 4, 4, False, True),
+                                               (256, 128, 64, 3, 8, True, False), (64, 128, 64, 4, 4, False, False),
+                                               (64, 256, 64, 4, 8, True, False), (128, 64, 64, 4, 4, False, False)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SUBTILE": sub,
+                                   "WARP_SPECIALIZE": ws}, num_stages=stages, num_warps=warps))
     return cfgs
 
 
@@ -168,7 +176,9 @@ def _tma_dot(a, b, acc, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PREC
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
-@autotune(_tma_configs(), key=["M_BUCKET", "N", "K"])
+# The epilogue is in the key: a residual's loads and a swiglu's second accumulator and boxes change the
+# shared memory a config needs (a config tuned without the residual ran out of it with one: 245 KB > 227 KB).
+@autotune(_tma_configs(), key=["M_BUCKET", "N", "K", "B_KMAJOR", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL"])
 @triton.jit
 def linear_tma_kernel(A, B, C, BIAS, RES,
                       stride_am,  # x (M, K), K-contiguous
@@ -178,7 +188,8 @@ def linear_tma_kernel(A, B, C, BIAS, RES,
                       M, N, K, M_BUCKET, scale, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
                       ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                       HAS_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """The Hopper path of linear_fwd_kernel (same epilogue): persistent (one program per SM walks the output
     tiles in grouped order, so the next tile's loads overlap the last tile's epilogue), operands copied by
     the TMA engine through tensor descriptors (whole swizzled boxes into shared memory, out-of-range rows
@@ -197,11 +208,12 @@ def linear_tma_kernel(A, B, C, BIAS, RES,
         else:
             u_desc = tl.make_tensor_descriptor(B + N, shape=[K, N], strides=[stride_b, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    STORE_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, STORE_N])
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -239,7 +251,13 @@ def linear_tma_kernel(A, B, C, BIAS, RES,
             mask = (rm64 < M)[:, None] & n_ok[None, :]
             acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn, mask=mask,
                            other=0.0).to(tl.float32)
-        c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([off_m, off_n], left.to(C.dtype.element_ty))
+            c_desc.store([off_m, off_n + BLOCK_N // 2], right.to(C.dtype.element_ty))
+        else:
+            c_desc.store([off_m, off_n], acc.to(C.dtype.element_ty))
 
 
 # --- launcher ---
@@ -355,7 +373,8 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         sms = num_sms(x.device)
         grid = lambda meta: (min(sms, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
         launch(linear_tma_kernel, grid,
-               (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, precision, b_kmajor, sms),
+               (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, bias is not None, residual is not None,
+                precision, b_kmajor, sms),
                x2, weight, out2, b, r2, x2.stride(0), stride_b, out2.stride(0), r2.stride(0), r2.stride(1),
                b.stride(0) if bias is not None else 0,
                m, n, k, m_bucket, float(scale) if scale is not None else 1.0, NUM_SMS=sms, B_KMAJOR=b_kmajor,
@@ -363,7 +382,8 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                HAS_SCALE=scale is not None, INPUT_PRECISION=precision)
         return out
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    launch(linear_fwd_kernel, grid, (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, precision),
+    launch(linear_fwd_kernel, grid, (m_bucket, n, k, x.dtype, out_dtype, r2.dtype, activation, bias is not None,
+                                     residual is not None, precision),
            x2, weight, out2, b, r2,
            x2.stride(0), x2.stride(1),
            weight.stride(1), weight.stride(0),

@@ -101,7 +101,7 @@ def _scale_slice(S, start, idx, n, stride, GROUP: tl.constexpr, BLOCK: tl.conste
 
 
 @autotune(_configs(), key=["M_BUCKET", "N", "K", "A_GROUP", "B_GROUP", "K_BLOCKED", "FAST_ACCUM", "USE_TMA",
-                           "B_K_MAJOR"], prune_configs_by={"early_config_prune": _prune})
+                           "B_K_MAJOR", "HAS_BIAS"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def scaled_matmul_kernel(A, B, C, SCALE_A, SCALE_B, BIAS,
                          stride_am, stride_ak,  # a (M, K), fp8
@@ -278,7 +278,7 @@ def scaled_matmul_fwd(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     launch(scaled_matmul_kernel, grid,
            (m_bucket, n, k, a.dtype, b.dtype, out_dtype, bias_arg.dtype, a_group, b_group, k_blocked, use_fast_accum,
-            tma, b_k_major),
+            tma, b_k_major, bias is not None),
            a, b, out, scale_a, scale_b, bias_arg,
            a.stride(0), a.stride(1),
            b.stride(0), b.stride(1),
