@@ -8,6 +8,7 @@ routing with built-in margins, so the experts' loads are near balanced):
   mixtral      (8192, 4096, 14336, 8, 2)
   qwen3        (8192, 2048, 768, 128, 8)     Qwen3-30B-A3B
   deepseek-v3  (8192, 7168, 2048, 256, 8)    routed experts only (sigmoid scoring, renormalized)
+  mixtral-decode, qwen3-decode: the same layers with 64 tokens (a decode batch; rows add weight GB/s)
 Rows per shape:
   gate-up GEMM alone (forward), FLOPs 2·T·k·H·2I:
     kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
@@ -44,7 +45,10 @@ from kernelkit.testing.poison import empty
 from kernelkit.tune import chosen_configs
 
 SHAPES = {"mixtral": ((8192, 4096, 14336, 8, 2), "softmax"), "qwen3": ((8192, 2048, 768, 128, 8), "softmax"),
-          "deepseek-v3": ((8192, 7168, 2048, 256, 8), "sigmoid")}
+          "deepseek-v3": ((8192, 7168, 2048, 256, 8), "sigmoid"),
+          # Decode batches: 64 sequences, one token each. Memory-bound on the experts' weights, so the rows
+          # also give the weight bytes read per second (every expert gets tokens here).
+          "mixtral-decode": ((64, 4096, 14336, 8, 2), "softmax"), "qwen3-decode": ((64, 2048, 768, 128, 8), "softmax")}
 QUICK = ("mixtral", "qwen3")
 
 
@@ -89,6 +93,8 @@ def measure(row, name, fn, flops, rep, peak):
     try:
         ms = timed(fn, rep)
         row[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_mb": peak_mb(fn)}
+        if "weight_bytes" in row:  # the bytes of expert weights the call reads at least once
+            row[name]["weight_gbps"] = row["weight_bytes"] / (ms * 1e-3) / 1e9
         if peak:
             row[name]["pct_bf16_peak"] = 100.0 * row[name]["tflops"] / peak
     except Exception as e:  # noqa: BLE001 - a row that fails says why instead of ending the run
@@ -114,6 +120,8 @@ def gate_up_rows(label, shape, args, rep, peak):
     dense_w = gate_up[0].t()  # (H, 2I): one expert's weight, the same FLOPs as all groups together
     flops = 2.0 * t * k * hidden * 2 * inter
     row = {"kind": "gate_up_gemm", "shape": label, "dims": list(shape), "flops": flops}
+    if label.endswith("-decode"):
+        row["weight_bytes"] = gate_up.numel() * gate_up.element_size()
     start = time.perf_counter()
     M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")
     torch.cuda.synchronize()
@@ -143,6 +151,8 @@ def layer_rows(label, shape, scoring, args, rep, peak):
     for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
         row = {"kind": f"layer_{mode}", "shape": label, "dims": list(shape), "scoring": scoring, "flops": flops,
                "tune_s": tune_s}
+        if label.endswith("-decode"):
+            row["weight_bytes"] = (gate_up.numel() + down.numel()) * gate_up.element_size() * (1 if mode == "fwd" else 3)
         for name, fn in impls.items():
             if mode == "fwd":
                 call = (lambda f: lambda: f(x, router, gate_up, down, k, **kw))(fn)
@@ -168,8 +178,9 @@ def describe(row):
     for name in ("kernelkit", "torch._grouped_mm", "dense_mm", "grouped_mm_layer", "per_expert_loop"):
         if name in row:
             r = row[name]
-            parts.append(f"{name} " + (f"{r['ms']:.2f} ms {r['tflops']:.0f} TF/s {r['peak_mb']:.0f} MB" if "ms" in r
-                                       else r["error"][:80]))
+            gbps = f" {r['weight_gbps']:.0f} GB/s" if "weight_gbps" in r else ""
+            parts.append(f"{name} " + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TF/s{gbps} {r['peak_mb']:.0f} MB"
+                                       if "ms" in r else r["error"][:80]))
     xs = [f"{k[len('kernelkit_x_'):]} {v:.2f}x" for k, v in row.items() if k.startswith("kernelkit_x_")]
     return " | ".join(parts) + (" | kernelkit vs " + ", ".join(xs) if xs else "")
 

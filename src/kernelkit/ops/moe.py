@@ -19,6 +19,8 @@ backward and the routing weight's gradient ride the down-dgrad's epilogue.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -26,7 +28,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, cdiv, interpreting, launch, next_pow2
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from . import _validate
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
@@ -86,7 +88,7 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     return e, row0, row_end
 
 
-@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C"],
+@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["ROWDOT"])
 @triton.jit
 def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
@@ -98,6 +100,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                             OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
                             EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
                             HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            B_TMA: tl.constexpr,
                             E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
     """C[r] = epilogue(A[r] @ W[e(r)]) for the rows r of every expert. EPILOGUE "none" (times the row's routing
@@ -132,14 +135,35 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if B_TMA:
+        # The experts' weights in nn.Linear's (out, in) layout are K-contiguous: a pointer-loaded (K, N) tile of
+        # them is the layout the dense GEMM lost 25% on (see ops/linear.py). Here they come through one 3-D
+        # descriptor over (E, N rows [2N: gate | up], K) as (BLOCK_N, BLOCK_K) boxes the MMA takes transposed;
+        # boxes past an expert's rows or K read zeros. The gathered A rows stay pointer loads.
+        NT = 2 * N if EPILOGUE == "swiglu" else N
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
         kk64 = kk.to(tl.int64)
         a = tl.load(a_ptrs + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc, acc_up = gate_up_step(a, b, acc, acc_up, b_up + kk64[:, None] * stride_bk, k_ok[:, None] & n_ok[None, :],
-                                   EPILOGUE == "swiglu", INTERPRETER_DOT, INPUT_PRECISION)
+        if B_TMA:
+            b = tl.trans(b_desc.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K))
+            if INTERPRETER_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if EPILOGUE == "swiglu":  # gate columns past N read up rows here: never stored (n_ok)
+                u = tl.trans(b_desc.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K))
+                if INTERPRETER_DOT:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+        else:
+            b = tl.load(b_ptrs + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc, acc_up = gate_up_step(a, b, acc, acc_up, b_up + kk64[:, None] * stride_bk,
+                                       k_ok[:, None] & n_ok[None, :], EPILOGUE == "swiglu", INTERPRETER_DOT,
+                                       INPUT_PRECISION)
 
     mask = m_ok[:, None] & n_ok[None, :]
     c_cols = rn64[None, :] * stride_cn
@@ -236,10 +260,13 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     # Not a borrowed argument: the autotuner zeroes ROWDOT around its timing runs (reset_to_zero).
     rd = rowdot if rowdot is not None else torch.empty(1, dtype=torch.float32, device=c.device)
     bucket = next_pow2(rows)
+    b_tma = _b_tma(weight)
+    if b_tma and weight.is_cuda:
+        ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
            ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", precision),
+            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
@@ -248,7 +275,29 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
            rd, rd.stride(0),
            offs, rows, n, k, e, bucket,
            EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=precision, E_P2=max(16, next_pow2(e)))
+           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=precision, B_TMA=b_tma,
+           E_P2=max(16, next_pow2(e)))
+
+
+# The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
+# base and outer strides, on a Hopper-or-newer GPU or in the interpreter. KERNELKIT_GEMM_TMA=0 turns it off.
+B_TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
+
+
+def _b_tma(weight: torch.Tensor) -> bool:
+    """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
+    if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16) or weight.stride(1) != 1:
+        return False
+    if weight.is_cuda:
+        if torch.cuda.get_device_capability(weight.device)[0] < 9:
+            return False
+    elif not interpreting():
+        return False
+    esize = weight.element_size()
+    e, k, n = weight.shape
+    s_e, s_n = weight.stride(0), weight.stride(2)
+    return (weight.data_ptr() % 16 == 0 and s_n >= k and (s_e >= n * s_n or e == 1)
+            and (s_e * esize) % 16 == 0 and (s_n * esize) % 16 == 0)
 
 
 def _wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):
