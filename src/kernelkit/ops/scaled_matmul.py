@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost
 from ..testing.poison import empty
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._dispatch import dispatch
 from ._gemm import grouped_tile
@@ -113,20 +113,12 @@ def scaled_matmul_kernel(A, B, C, SCALE_A, SCALE_B, BIAS,
                          M, N, K, M_BUCKET,
                          A_GROUP: tl.constexpr, B_GROUP: tl.constexpr, K_BLOCKED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr, USE_TMA: tl.constexpr,
-                         B_K_MAJOR: tl.constexpr,
+                         B_K_MAJOR: tl.constexpr, NUM_SMS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+    # Persistent: one program per SM (NUM_SMS programs) walks the output tiles in grouped order, so the next
+    # tile's loads overlap this tile's epilogue; the descriptors are made once per program.
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-
-    rm = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
     if USE_TMA:  # out-of-bounds boxes read as zeros: no masks
         a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
         if B_K_MAJOR:  # b = w.t(): the descriptor walks w (N, K)
@@ -135,44 +127,54 @@ def scaled_matmul_kernel(A, B, C, SCALE_A, SCALE_B, BIAS,
         else:
             b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_bk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-    a_rows = A + rm[:, None] * stride_am
-    b_cols = B + rn[None, :] * stride_bn
-    if not K_BLOCKED and not FAST_ACCUM:  # scale_a multiplies every K tile's partial product (below)
-        sa = _scale_slice(SCALE_A, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if USE_TMA:
-            a = a_desc.load([m0, k0])
-            if B_K_MAJOR:
-                b = b_desc.load([n0, k0]).T
-            else:
-                b = b_desc.load([k0, n0])
-        else:
-            kk = (k0 + rk).to(tl.int64)  # a column-major a has stride_ak = M: k * M can pass 2^31
-            k_ok = kk < K
-            a = tl.load(a_rows + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if K_BLOCKED:
-            # The fp32 partial product of this K tile, times the scales of the 128-block it lies in.
-            kb = k0 // K_SCALE_BLOCK
-            sa_k = _scale_slice(SCALE_A + kb * stride_sak, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)
-            sb_k = _scale_slice(SCALE_B + kb * stride_sbk, n0, rn, N, stride_sbn, B_GROUP, BLOCK_N)
-            acc += tl.dot(a, b) * (sa_k[:, None] * sb_k[None, :])
-        elif FAST_ACCUM:
-            acc = tl.dot(a, b, acc)
-        else:
-            # Promoted every K tile: the tile's partial product is its own fp32 add. Multiplied by scale_a, as
-            # `acc + dot(a, b)` alone would be folded back into one long tensor-core accumulation.
-            acc += tl.dot(a, b) * sa[:, None]
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
 
-    if not K_BLOCKED:  # scales constant along K, read after the loop: no registers held through it
-        if FAST_ACCUM:
-            acc = acc * _scale_slice(SCALE_A, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)[:, None]
-        acc = acc * _scale_slice(SCALE_B, n0, rn, N, stride_sbn, B_GROUP, BLOCK_N)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(C.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        rm = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        a_rows = A + rm[:, None] * stride_am
+        b_cols = B + rn[None, :] * stride_bn
+        if not K_BLOCKED and not FAST_ACCUM:  # scale_a multiplies every K tile's partial product (below)
+            sa = _scale_slice(SCALE_A, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if USE_TMA:
+                a = a_desc.load([m0, k0])
+                if B_K_MAJOR:
+                    b = b_desc.load([n0, k0]).T
+                else:
+                    b = b_desc.load([k0, n0])
+            else:
+                kk = (k0 + rk).to(tl.int64)  # a column-major a has stride_ak = M: k * M can pass 2^31
+                k_ok = kk < K
+                a = tl.load(a_rows + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if K_BLOCKED:
+                # The fp32 partial product of this K tile, times the scales of the 128-block it lies in.
+                kb = k0 // K_SCALE_BLOCK
+                sa_k = _scale_slice(SCALE_A + kb * stride_sak, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)
+                sb_k = _scale_slice(SCALE_B + kb * stride_sbk, n0, rn, N, stride_sbn, B_GROUP, BLOCK_N)
+                acc += tl.dot(a, b) * (sa_k[:, None] * sb_k[None, :])
+            elif FAST_ACCUM:
+                acc = tl.dot(a, b, acc)
+            else:
+                # Promoted every K tile: the tile's partial product is its own fp32 add. Multiplied by scale_a, as
+                # `acc + dot(a, b)` alone would be folded back into one long tensor-core accumulation.
+                acc += tl.dot(a, b) * sa[:, None]
+
+        if not K_BLOCKED:  # scales constant along K, read after the loop: no registers held through it
+            if FAST_ACCUM:
+                acc = acc * _scale_slice(SCALE_A, m0, rm, M, stride_sam, A_GROUP, BLOCK_M)[:, None]
+            acc = acc * _scale_slice(SCALE_B, n0, rn, N, stride_sbn, B_GROUP, BLOCK_N)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(C.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 # --- launcher ---
@@ -275,10 +277,11 @@ def scaled_matmul_fwd(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     k_blocked = a_kb or b_kb
     bias_arg = bias if bias is not None else scale_a  # dummy pointer, never read
     m_bucket = next_pow2(m)
-    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    sms = num_sms(a.device)
+    grid = lambda meta: (min(sms, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
     launch(scaled_matmul_kernel, grid,
            (m_bucket, n, k, a.dtype, b.dtype, out_dtype, bias_arg.dtype, a_group, b_group, k_blocked, use_fast_accum,
-            tma, b_k_major, bias is not None),
+            tma, b_k_major, bias is not None, sms),
            a, b, out, scale_a, scale_b, bias_arg,
            a.stride(0), a.stride(1),
            b.stride(0), b.stride(1),
@@ -288,7 +291,7 @@ def scaled_matmul_fwd(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
            bias.stride(0) if bias is not None else 0,
            m, n, k, m_bucket,
            A_GROUP=a_group, B_GROUP=b_group, K_BLOCKED=k_blocked, HAS_BIAS=bias is not None,
-           FAST_ACCUM=use_fast_accum, USE_TMA=tma, B_K_MAJOR=b_k_major)
+           FAST_ACCUM=use_fast_accum, USE_TMA=tma, B_K_MAJOR=b_k_major, NUM_SMS=sms)
     return out
 
 
