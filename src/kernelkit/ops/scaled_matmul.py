@@ -53,7 +53,6 @@ K_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 # (True takes TMA wherever the layout allows it, also in the interpreter).
 USE_TMA: Optional[bool] = None
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and outer strides
-SMEM_BYTES = 232448  # shared memory a block may use on an H100 (227 KiB)
 
 
 def _configs() -> list:
@@ -85,12 +84,6 @@ def _prune(configs, named_args, **kwargs):
             continue  # a K tile's partial product beside the accumulator: twice the registers (ptxas: spills)
         if per_thread > 128 or bm > max(64, m_bucket) or bn > max(64, next_pow2(n)):
             continue  # spills, or a tile mostly past the matrix
-        if not args["USE_TMA"] and 2 * c.num_stages * (bm + bn) * bk + 16 * 1024 > SMEM_BYTES:
-            # With pointer loads the persistent loop's flattened pipeline holds twice the stages' tiles
-            # (measured: 128x128x128 with 4 stages asked for 278,552 bytes, 2 x 4 x 32 KiB + 16 KiB; through TMA
-            # the same config fits and was the one tuned). A config past the SM's shared memory fails at launch,
-            # which KERNELKIT_TUNE=first (one config, no timing) would not survive.
-            continue
         keep.append(c)
     return keep or configs[-1:]
 

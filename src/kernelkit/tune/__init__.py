@@ -11,11 +11,13 @@ import functools
 import inspect
 import os
 import time
+from typing import Optional
 
 import torch
 import triton
 from triton import knobs
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.errors import OutOfResources
 
 from . import cache
 
@@ -38,6 +40,7 @@ def autotune(configs: list, key: list[str], **kwargs):
     """`triton.autotune`; one config under the interpreter, and the first config the pruner keeps when
     KERNELKIT_TUNE=first (GPU correctness runs, where timing every config of every shape costs minutes)."""
     untuned = interpreting() or os.environ.get("KERNELKIT_TUNE") == "first"
+    failed: Optional[set] = None
     if interpreting():
         configs = configs[:1]
         kwargs.pop("prune_configs_by", None)
@@ -46,8 +49,11 @@ def autotune(configs: list, key: list[str], **kwargs):
         if prune is None:
             configs = configs[:1]
         else:
-            kwargs["prune_configs_by"] = {**kwargs["prune_configs_by"],
-                                          "early_config_prune": lambda *a, **k: list(prune(*a, **k))[:1]}
+            # The first config the pruner keeps that has not failed to launch here (see _tune: out of shared
+            # memory, which the autotuner's timing would have skipped).
+            failed = set()
+            kwargs["prune_configs_by"] = {**kwargs["prune_configs_by"], "early_config_prune": lambda *a, **k: (
+                [c for c in prune(*a, **k) if str(c) not in failed] or list(prune(*a, **k)))[:1]}
     tuner = triton.autotune(configs=configs, key=key, **kwargs)
     if not untuned:
         return tuner
@@ -55,6 +61,7 @@ def autotune(configs: list, key: list[str], **kwargs):
     def mark(fn):  # its choices are not tunings: `launch` neither looks them up in the cache nor stores them
         kernel = tuner(fn)
         kernel.kernelkit_untuned = True
+        kernel.kernelkit_failed = failed
         return kernel
 
     return mark
@@ -263,7 +270,18 @@ def _tune(kernel, grid, key, args, kwargs):
     if tuning and on_tune is not None:
         on_tune("start", {"kernel": kernel.base_fn.__name__, "key": tkey})
     start = time.perf_counter()
-    out = kernel[grid](*args, **kwargs)
+    failed = getattr(kernel, "kernelkit_failed", None)
+    while True:
+        try:
+            out = kernel[grid](*args, **kwargs)
+            break
+        except OutOfResources:
+            # KERNELKIT_TUNE=first launches one config untimed: one that does not fit this GPU (which timing
+            # would have skipped) is set aside and the pruner's next is tried.
+            if failed is None or kernel.best_config is None or str(kernel.best_config) in failed:
+                raise
+            failed.add(str(kernel.best_config))
+            kernel.cache.clear()
     _chosen[(kernel, key)] = _Entry(kernel.fn, kernel.best_config)
     seconds = time.perf_counter() - start
     if tkey is None:
