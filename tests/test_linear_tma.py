@@ -125,3 +125,23 @@ def test_whole_and_split_tile_stores(subtile, device):
     want = L.reference(x.double(), w.double(), b.double(), "gelu")
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_autocast_casts_like_f_linear(device):
+    """Under torch.autocast an fp32 model's x, weight and bias go to the autocast dtype (it raised TypeError
+    for mixed dtypes); gradients reach the fp32 master weight; a residual's dtype promotes the output."""
+    dev = "cuda" if device == "cuda" else "cpu"
+    x, w, b = _inputs(24, 64, 40, torch.float32, device, seed=7)
+    w.requires_grad_()
+    r = torch.randn(24, 40, device=device)
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        y = L.linear(x, w, b, "gelu")
+        want = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+        yr = L.linear(x, w, b, "gelu", residual=r)
+        lin = L.Linear(64, 40, device=device)
+        z = lin(x)
+    assert y.dtype == want.dtype == torch.bfloat16 and yr.dtype == torch.float32 and z.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(yr, want.float() + r, rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32

@@ -523,8 +523,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
     Accumulation is fp32. Like torch, fp32 inputs compute in true fp32 unless
     ``torch.backends.cuda.matmul.allow_tf32`` is set, which selects TF32 tensor-core math (read at call time).
-    Differentiable in x, weight, bias and residual; the backward GEMMs run on cuBLAS.
+    Under ``torch.autocast`` for x's device, x, weight and bias are cast to the autocast dtype first, as
+    F.linear's are (the cast is differentiable: fp32 master weights get their gradients), and the output
+    dtype is what ``act(F.linear(x, w, b)) * scale + residual`` gives there (promoted with the residual's).
+    Differentiable in x, weight, bias and residual; the backward GEMMs run on cuBLAS. torch.func transforms
+    (vmap, grad) are not supported.
     """
+    if isinstance(x, torch.Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        return _autocast_linear(x, weight, bias, activation, residual, out_dtype, scale)
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and getattr(x, "dtype", None) == torch.float32
     if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
         raise TypeError("scale is a tensor that requires grad, but kernelkit.linear's scale is a constant "
@@ -533,6 +539,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     args = (x, weight, bias, residual, activation, None if scale is None else _validate.number(scale, "scale"),
             out_dtype, allow_tf32)
     return dispatch(_linear_op, linear_fwd, _LinearFunction, 4, args)
+
+
+def _autocast_linear(x, weight, bias, activation, residual, out_dtype, scale):
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok else t
+
+    if out_dtype is None and isinstance(residual, torch.Tensor):
+        out_dtype = torch.promote_types(dtype, residual.dtype)
+    with torch.autocast(device, enabled=False):
+        return linear(cast(x), cast(weight), cast(bias), activation, residual, out_dtype=out_dtype, scale=scale)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
