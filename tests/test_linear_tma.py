@@ -145,3 +145,11 @@ def test_autocast_casts_like_f_linear(device):
     torch.testing.assert_close(yr, want.float() + r, rtol=2e-2, atol=2e-2)
     y.float().sum().backward()
     assert w.grad is not None and w.grad.dtype == torch.float32
+
+
+def test_matmul_errors_name_a_and_b(device):
+    a = torch.randn(5, 8, device=device)
+    with pytest.raises(ValueError, match=r"a's last dim \(8\) must equal b's first dim \(6\)"):
+        L.matmul(a, torch.randn(6, 4, device=device))
+    with pytest.raises(TypeError, match="b has dtype"):
+        L.matmul(a, torch.randn(8, 4, device=device, dtype=torch.bfloat16))

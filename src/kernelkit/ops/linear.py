@@ -561,6 +561,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
         raise ValueError(f"b must be a 2-D (K, N) tensor, got "
                          f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
+    _validate.tensor(a, "a", min_dim=1)
+    if a.shape[-1] != b.shape[0]:  # checked here: linear's messages would name the weight, b transposed
+        raise ValueError(f"a's last dim ({a.shape[-1]}) must equal b's first dim ({b.shape[0]}): a "
+                         f"{tuple(a.shape)} @ b {tuple(b.shape)}")
+    if a.dtype != b.dtype and not (a.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(a.device.type)):
+        raise TypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one to the other")
     return linear(a, b.t())
 
 
