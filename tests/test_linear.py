@@ -255,3 +255,75 @@ def test_a_scale_that_requires_grad_is_refused(device):
         kernelkit.linear(x, w, scale=s)
     with torch.no_grad():
         torch.testing.assert_close(kernelkit.linear(x, w, scale=s), 0.5 * x @ w.t())
+
+
+def test_autocast_bf16_x_fp32_weight_matmul_and_compile(device):
+    """torch.autocast: a bf16 x with an fp32 master weight and bias (it raised TypeError) computes in bf16 as
+    F.linear does, with fp32 gradients for the masters; matmul follows torch.matmul; torch.compile traces the
+    casts in the wrappers around the custom op (one graph)."""
+    dev = "cuda" if device == "cuda" else "cpu"
+    x, w, b, r = _inputs(24, 64, 40, torch.float32, device, seed=3)
+    w, b = w.requires_grad_(), b.requires_grad_()
+    xb = x.bfloat16()
+
+    def run(x, w, b, r):
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            return L.linear(x, w, b, "silu", r, scale=0.5), L.linear(x, w, b), L.matmul(x, w.t())
+
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        want = torch.nn.functional.linear(xb, w, b)
+        want_mm = xb @ w.t()
+    got = run(xb, w, b, r)
+    assert [t.dtype for t in got] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert want.dtype == want_mm.dtype == torch.bfloat16
+    torch.testing.assert_close(got[0], 0.5 * torch.nn.functional.silu(want.float()) + r, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1].float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[2].float(), want_mm.float(), rtol=2e-2, atol=2e-2)
+    got[0].sum().backward()
+    wr, br = (t.detach().clone().requires_grad_() for t in (w, b))
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        (0.5 * torch.nn.functional.silu(torch.nn.functional.linear(xb, wr, br)) + r).sum().backward()
+    assert w.grad.dtype == b.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, wr.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(b.grad, br.grad, rtol=2e-2, atol=5e-2)
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)(xb, w, b, r)
+    for c, e in zip(compiled, got):
+        assert c.dtype == e.dtype
+        torch.testing.assert_close(c, e, rtol=1e-2, atol=1e-2)
+
+
+def test_matmul_validates_b_as_b(device):
+    # matmul's own checks: errors about b name b (linear's would name the weight, with b's shape transposed).
+    a = torch.randn(5, 8, device=device)
+    with pytest.raises(ValueError, match="b is on meta but a is on cpu" if device == "cpu" else "b is on meta"):
+        L.matmul(a, torch.randn(8, 4, device="meta"))
+    with torch.autocast("cuda" if device == "cuda" else "cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="b has dtype int64; supported"):
+            L.matmul(a, torch.ones(8, 4, dtype=torch.long, device=device))
+
+
+def test_vmap_runs_the_kernel_and_grad_transforms_raise(device, monkeypatch):
+    seen = _count_launches(monkeypatch)
+    x, w, b, r = _inputs(6, 16, 12, torch.float32, device, seed=5, lead=(3,))
+    # One weight for the batch: one GEMM over the batch folded into the rows (also with the batch dim inside x).
+    y = torch.func.vmap(lambda xx, rr: L.linear(xx, w, b, "gelu", rr, scale=0.5))(x, r)
+    assert len(seen) == 1
+    torch.testing.assert_close(y, L.reference(x, w, b, "gelu", r, scale=0.5), rtol=1e-5, atol=1e-5)
+    y = torch.func.vmap(lambda xx: L.matmul(xx, w.t()), in_dims=1)(x.transpose(0, 1))
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
+    # A weight per sample: a GEMM each; autograd through the vmapped call reaches the batched weights.
+    ws = torch.randn(3, 12, 16, device=device, requires_grad=True)
+    seen.clear()
+    y = torch.func.vmap(lambda ww, xx: L.linear(xx, ww, b, "silu"))(ws, x)
+    assert len(seen) == 3
+    wd = ws.detach().double().requires_grad_()
+    want = torch.stack([L.reference(x[i].double(), wd[i], b.double(), "silu") for i in range(3)])
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(ws.grad.double(), wd.grad, rtol=1e-4, atol=1e-4)
+    # grad-like transforms would hand the kernels wrapped tensors: a clear error instead.
+    for transform in (lambda f: torch.func.grad(f)(w), lambda f: torch.func.jvp(f, (w,), (w,)),
+                      lambda f: torch.func.vmap(torch.func.grad(f))(ws.detach())):
+        with pytest.raises(NotImplementedError, match="does not support torch.func.grad.*torch.autograd"):
+            transform(lambda ww: L.linear(x[0], ww, b).sum())

@@ -309,3 +309,30 @@ def test_tma_and_pointer_paths_agree(monkeypatch):
         monkeypatch.setattr(S, "USE_TMA", tma)
         outs.append(S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_flag_and_number_scales_follow_torch_scaled_mm(device):
+    # torch._scaled_mm's contract: use_fast_accum a bool (numpy's bool is one, as a flag read from an array),
+    # scales float32 tensors; Python and numpy numbers are refused by it too, with the fix in the message.
+    np = pytest.importorskip("numpy")
+    a, b, sa, sb = _quantized(8, 64, 16, "rowwise", device=device)
+    for flag in (True, False):
+        got = S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=np.bool_(flag))
+        torch.testing.assert_close(got, S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=flag))
+    for v, kind in ((np.float32(1.0), "numpy.float32"), (1.0, "float")):
+        with pytest.raises(TypeError, match=rf"scale_b must be a float32 torch.Tensor .*got {kind}: pass torch.tensor"):
+            S.scaled_matmul(a, b, sa, v)
+
+
+@pytest.mark.parametrize("m,k,n", [(8, 64, 16), (1, 128, 16)])
+def test_scale_shape_error_lists_each_shape_once(m, k, n, device):
+    # With K <= 128 one block spans K: (M, 1) is both rowwise and 1x128 blocks, and listed once.
+    a, b, sa, sb = _quantized(m, k, n, "rowwise", device=device)
+    with pytest.raises(ValueError) as err:
+        S.scaled_matmul(a, b, sa.repeat(1, 3), sb)
+    msg = str(err.value)
+    assert f"({m}, 1) (rowwise / 1x128 blocks" in msg and msg.count(f"({m}, 1)") == 1, msg
+    with pytest.raises(ValueError) as err:
+        S.scaled_matmul(a, b, sa, sb.repeat(2, 1))
+    msg = str(err.value)
+    assert f"(1, {n}) (one per column / 128x1 blocks)" in msg and msg.count(f"(1, {n})") == 1, msg

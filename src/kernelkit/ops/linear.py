@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._C import _functorch
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
@@ -475,6 +476,28 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@_linear_op.register_vmap
+def _(info, in_dims, x, weight, bias, residual, activation, scale, out_dtype, allow_tf32):
+    # torch.func.vmap: with one weight and bias for the batch, the batch dim joins x's leading dims (one GEMM);
+    # a weight or bias per sample takes a GEMM each. (Without a rule vmap loops per sample and warns.)
+    x_bd, w_bd, b_bd, r_bd = in_dims[:4]
+
+    def batch_first(t, bd):
+        return t.movedim(bd, 0) if bd is not None else t.expand(info.batch_size, *t.shape)
+
+    if w_bd is None and b_bd is None:
+        x = batch_first(x, x_bd)
+        residual = batch_first(residual, r_bd) if residual is not None else None
+        return _linear_op(x, weight, bias, residual, activation, scale, out_dtype, allow_tf32), 0
+
+    def sample(t, bd, i):
+        return t if t is None or bd is None else t.select(bd, i)
+
+    return torch.stack([_linear_op(sample(x, x_bd, i), sample(weight, w_bd, i), sample(bias, b_bd, i),
+                                   sample(residual, r_bd, i), activation, scale, out_dtype, allow_tf32)
+                        for i in range(info.batch_size)]), 0
+
+
 def _double_backward(ctx, dy):
     x, weight, bias = ctx.saved_tensors
     res = ctx.residual
@@ -526,8 +549,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Under ``torch.autocast`` for x's device, x, weight and bias are cast to the autocast dtype first, as
     F.linear's are (the cast is differentiable: fp32 master weights get their gradients), and the output
     dtype is what ``act(F.linear(x, w, b)) * scale + residual`` gives there (promoted with the residual's).
-    Differentiable in x, weight, bias and residual; the backward GEMMs run on cuBLAS. torch.func transforms
-    (vmap, grad) are not supported.
+    Differentiable in x, weight, bias and residual with torch.autograd; the backward GEMMs run on cuBLAS.
+    ``torch.func.vmap`` is supported (one GEMM when only x and residual are batched, one per sample when the
+    weight or bias is); torch.func's differentiating transforms (grad, vjp, jvp, jacrev, jacfwd, hessian)
+    are not, and raise NotImplementedError.
     """
     if isinstance(x, torch.Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
         return _autocast_linear(x, weight, bias, activation, residual, out_dtype, scale)
@@ -538,7 +563,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                         "output by it outside the call")
     args = (x, weight, bias, residual, activation, None if scale is None else _validate.number(scale, "scale"),
             out_dtype, allow_tf32)
+    if not torch.compiler.is_compiling() and _functorch.peek_interpreter_stack() is not None \
+            and _func_wrapped(args[:4]):
+        return _linear_op(*args)  # vmap's batching rule (above) launches the kernel on the unwrapped tensors
     return dispatch(_linear_op, linear_fwd, _LinearFunction, 4, args)
+
+
+def _func_wrapped(tensors) -> bool:
+    """Whether a torch.func transform wraps any of `tensors`. vmap's (and functionalize's) wrappers are fine
+    for the custom op; grad's and jvp's would reach the kernel or _LinearFunction, which cannot take them."""
+    wrapped = False
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(t):
+            if _functorch.is_gradtrackingtensor(t):
+                raise NotImplementedError(
+                    "kernelkit.linear does not support torch.func.grad, vjp, jvp, jacrev, jacfwd or hessian (its "
+                    "Triton kernels cannot read the tensors they wrap, and its backward has no functorch rule): "
+                    "differentiate with torch.autograd (loss.backward(), torch.autograd.grad), or use "
+                    "kernelkit.ops.linear.reference inside the transform. torch.func.vmap is supported.")
+            wrapped = True
+            t = _functorch.get_unwrapped(t)
+    return wrapped
 
 
 def _autocast_linear(x, weight, bias, activation, residual, out_dtype, scale):
@@ -557,11 +602,13 @@ def _autocast_linear(x, weight, bias, activation, residual, out_dtype, scale):
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for a (..., K) and b (K, N) through kernelkit's GEMM (b is read through its strides, no copy);
-    dtypes and precision as `linear`."""
+    dtypes, precision, torch.autocast and torch.func.vmap as `linear`. Errors name a and b with their shapes."""
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
         raise ValueError(f"b must be a 2-D (K, N) tensor, got "
                          f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
     _validate.tensor(a, "a", min_dim=1)
+    _validate.tensor(b, "b")
+    _validate.same_device(b, "b", a, "a")
     if a.shape[-1] != b.shape[0]:  # checked here: linear's messages would name the weight, b transposed
         raise ValueError(f"a's last dim ({a.shape[-1]}) must equal b's first dim ({b.shape[0]}): a "
                          f"{tuple(a.shape)} @ b {tuple(b.shape)}")
@@ -573,7 +620,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class Linear(torch.nn.Linear):
     """Drop-in for `torch.nn.Linear` (same constructor and state_dict) running kernelkit's fused GEMM, with an
     optional fused `activation` (see `kernelkit.linear`; with "swiglu" the output is out_features / 2 wide).
-    Documented fallback: a CPU tensor outside the Triton interpreter runs the PyTorch definition."""
+    Documented fallback: a CPU tensor outside the Triton interpreter runs the PyTorch definition. Under
+    torch.autocast, x, weight and bias are cast to the autocast dtype as `torch.nn.Linear`'s are."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  activation: Optional[str] = None):

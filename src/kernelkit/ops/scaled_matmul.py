@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -197,14 +198,16 @@ def _scaling(scale, name: str, side: str, rows: int, k: int) -> tuple[str, int, 
             recipe = ("1x128" if side == "a" else "128x1") if group == 1 else "128x128"
             return recipe, group, s_outer, s_inner, kb > 1
     if side == "a":
-        allowed = (f"() or (1,) (tensorwise), ({rows}, 1) (rowwise), ({rows}, {kb}) (1x128 blocks) or "
-                   f"({rb}, {kb}) (128x128 blocks)")
+        shapes = (((rows, 1), "rowwise"), ((rows, kb), "1x128 blocks"), ((rb, kb), "128x128 blocks"))
         of = f"a of shape ({rows}, {k})"
     else:
-        allowed = (f"() or (1,) (tensorwise), (1, {rows}) (one per column), ({kb}, {rows}) (128x1 blocks) or "
-                   f"({kb}, {rb}) (128x128 blocks)")
+        shapes = (((1, rows), "one per column"), ((kb, rows), "128x1 blocks"), ((kb, rb), "128x128 blocks"))
         of = f"b of shape ({k}, {rows})"
-    raise ValueError(f"{name} must have shape {allowed} for {of}; got {shape}")
+    recipes: dict = {}  # K <= 128 (or 128 rows or fewer) gives recipes one shape: list it once
+    for s, recipe in shapes:
+        recipes.setdefault(s, []).append(recipe)
+    allowed = ["() or (1,) (tensorwise)"] + [f"{s} ({' / '.join(r)})" for s, r in recipes.items()]
+    raise ValueError(f"{name} must have shape {', '.join(allowed[:-1])} or {allowed[-1]} for {of}; got {shape}")
 
 
 def _check(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
@@ -225,6 +228,10 @@ def _check(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         raise TypeError(f"a and b are fp8, whose tensor-core GEMM needs compute capability 8.9+ (Ada, Hopper); "
                         f"{a.device} is sm_{major}{minor}")
     for s, name in ((scale_a, "scale_a"), (scale_b, "scale_b")):
+        if not isinstance(s, torch.Tensor):  # numbers too: torch._scaled_mm takes only tensors
+            kind = type(s).__name__ if type(s).__module__ == "builtins" else f"{type(s).__module__}.{type(s).__name__}"
+            raise TypeError(f"{name} must be a float32 torch.Tensor (as torch._scaled_mm's), got {kind}: pass "
+                            f"torch.tensor({name}, dtype=torch.float32, device=a.device)")
         _validate.tensor(s, name, dtypes=(torch.float32,))
         _validate.same_device(s, name, a, "a")
     sa = _scaling(scale_a, "scale_a", "a", m, k)
@@ -315,15 +322,18 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     """``(a · scale_a) @ (b · scale_b) + bias`` on fp8 tensor cores, fp32 accumulation, rounded once to out_dtype.
 
     a: (M, K), b: (K, N), each float8_e4m3fn or float8_e5m2 (they may differ), any strides (torch._scaled_mm's
-    b is column-major: ``w.t()`` of a (N, K) weight). scale_a, scale_b: float32 dequantization scales whose
-    shapes pick the recipe per side: () or (1,) tensorwise; (M, 1) / (1, N) rowwise; (M, ceil(K/128)) 1x128
-    blocks of a and (ceil(K/128), ceil(N/128)) 128x128 blocks of b (DeepSeek-V3), or (ceil(M/128),
-    ceil(K/128)) / (ceil(K/128), N). bias: (N,) float32, bfloat16 or float16, added in fp32. out_dtype:
-    bfloat16 (default), float16 or float32. use_fast_accum as torch's: True leaves the tensor cores' sums in
-    their reduced precision across all of K (faster); block-scaled calls promote them every 128 of K anyway.
+    b is column-major: ``w.t()`` of a (N, K) weight). scale_a, scale_b: float32 dequantization scale tensors
+    (not Python or numpy numbers, which torch._scaled_mm refuses too) whose shapes pick the recipe per side:
+    () or (1,) tensorwise; (M, 1) / (1, N) rowwise; (M, ceil(K/128)) 1x128 blocks of a and (ceil(K/128),
+    ceil(N/128)) 128x128 blocks of b (DeepSeek-V3), or (ceil(M/128), ceil(K/128)) / (ceil(K/128), N).
+    bias: (N,) float32, bfloat16 or float16, added in fp32. out_dtype: bfloat16 (default), float16 or float32.
+    use_fast_accum, a bool (numpy's bool too), as torch's: True leaves the tensor cores' sums in their
+    reduced precision across all of K (faster); block-scaled calls promote them every 128 of K anyway.
 
     No autograd: an input that requires grad (with grad mode on) raises.
     """
+    if isinstance(use_fast_accum, np.bool_):  # a flag read from an array; the custom op's schema takes a bool
+        use_fast_accum = bool(use_fast_accum)
     return dispatch(_scaled_matmul_op, scaled_matmul_fwd, None, 0,
                     (a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum))
 
