@@ -10,7 +10,6 @@ import triton
 from triton.testing import do_bench
 
 import kernelkit
-from kernelkit.ladder import hgemm
 from kernelkit.ops import linear as L
 
 
@@ -23,8 +22,12 @@ def main():
     ap.add_argument("--out")
     rows = []
     ap.add_argument("--pointer", action="store_true", help="also sweep the pointer kernel's configs")
+    ap.add_argument("--shapes", default="4096x4096x4096,8192x4096x14336", help="comma-separated MxKxN")
+    ap.add_argument("--group-m", default="8", help="comma-separated GROUP_M values for the TMA configs")
+    ap.add_argument("--kmajor-only", action="store_true", help="TMA path: nn.Linear's weight layout only")
     args = ap.parse_args()
-    for m, k, n in ((4096, 4096, 4096), (8192, 4096, 14336)):
+    group_ms = [int(g) for g in args.group_m.split(",")]
+    for m, k, n in (tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -64,9 +67,10 @@ def main():
         # Plus warp-specialized variants (tl.range(..., warp_specialize=True): Triton 3.6 runs a Hopper pass for it).
         extra = [triton.Config({**c.kwargs, "WARP_SPECIALIZE": True}, num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in L.linear_tma_kernel.configs[1:5]]
-        for cfg, wl in [(c, wl) for c in L.linear_tma_kernel.configs[1:] + extra
-                        for wl in ("nn.Linear (N, K)", "(K, N)")]:
-            kw = dict(cfg.kwargs)
+        layouts = ("nn.Linear (N, K)",) if args.kmajor_only else ("nn.Linear (N, K)", "(K, N)")
+        for cfg, wl, group_m in [(c, wl, gm) for c in L.linear_tma_kernel.configs[1:] + extra
+                                 for wl in layouts for gm in group_ms]:
+            kw = {**cfg.kwargs, "GROUP_M": group_m}
             kmajor = wl.startswith("nn")
             ww = w if kmajor else w_kn
             grid = (min(sms, triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"])),)
@@ -82,10 +86,10 @@ def main():
                 compiled = trun()
                 ms = do_bench(trun, rep=200)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg),
+                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg), "group_m": group_m,
                        "tflops": tflops(m, n, k, ms), "regs": compiled.n_regs, "spills": compiled.n_spills, "err": err}
             except Exception as e:  # out of shared memory, etc.
-                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg), "error": str(e)[:200]}
+                row = {"shape": [m, k, n], "what": "linear TMA", "weight": wl, "config": str(cfg), "group_m": group_m, "error": str(e)[:200]}
             rows.append(row)
             print(row, flush=True)
         y = kernelkit.matmul(x, w.t())  # through the autotuner
@@ -95,6 +99,7 @@ def main():
                      "best_config": str(best), "err": ((y.float() - ref.float()).norm() / ref.float().norm()).item()})
         print(rows[-1], flush=True)
         c = torch.empty_like(out)
+        from kernelkit.ladder import hgemm
         for name, p, b in (("ladder wide_tiles, B (K, N) row-major", hgemm._WIDE, w.t().contiguous()),
                            ("ladder wide_tiles, B = nn.Linear weight.t()", hgemm._WIDE, w.t())):
             meta = {q: p[q] for q in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}

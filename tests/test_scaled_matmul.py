@@ -336,3 +336,81 @@ def test_scale_shape_error_lists_each_shape_once(m, k, n, device):
         S.scaled_matmul(a, b, sa, sb.repeat(2, 1))
     msg = str(err.value)
     assert f"(1, {n}) (one per column / 128x1 blocks)" in msg and msg.count(f"(1, {n})") == 1, msg
+
+
+_GLUON_COMPILE = r"""
+import json, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+from kernelkit.ops import scaled_matmul_precise as P
+out_dtype, a_rowwise, has_bias = getattr(torch, sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+m, n, k = 256, 256, 512
+def desc(t, block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, P._GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+args = {"a_desc": desc(torch.empty(m, k, dtype=torch.float8_e4m3fn), [P.BLOCK_M // 2, P.BLOCK_K]),
+        "b_desc": desc(torch.empty(n, k, dtype=torch.float8_e5m2), [P.BLOCK_N, P.BLOCK_K]),
+        "c_desc": desc(torch.empty(m, n, dtype=out_dtype), [P.BLOCK_M // 2, P.BLOCK_N]),
+        "SCALE_A": torch.empty(m, 1), "SCALE_B": torch.empty(1), "BIAS": torch.empty(n, dtype=torch.bfloat16),
+        "M": m, "N": n, "K": k, "stride_sa": 3, "stride_sb": 0, "stride_bias": 5}
+const = {"A_ROWWISE": a_rowwise, "B_ROWWISE": False, "HAS_BIAS": has_bias, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M,
+         "CONSUMER_REGS": P.CONSUMER_REGS, "PRODUCER_REGS": P.PRODUCER_REGS}
+sig = {**{name: mangle_type(v) for name, v in args.items()}, **{c: "constexpr" for c in const}}
+src = GluonASTSource(fn=P.fp8_precise_kernel, signature=sig, constexprs={(list(sig).index(c),): v for c, v in const.items()})
+ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+    f.write(ck.asm["ptx"]); f.flush()
+    ptxas = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                           text=True)
+print(json.dumps({"shared": ck.metadata.shared, "ptxas": ptxas.stderr, "rc": ptxas.returncode}))
+"""
+
+
+@pytest.mark.parametrize("out_dtype,a_rowwise,has_bias", [("bfloat16", True, True), ("float32", False, False)])
+def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_rowwise, has_bias):
+    # The Gluon kernel cannot run in the interpreter: CI builds it for the H100 (Triton's compiler, then ptxas)
+    # and checks what the design depends on: it fits in shared memory, no spills, and no C7514 (ptxas
+    # serializing the MMAs because something reads an accumulator before its wait).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, out_dtype, str(int(a_rowwise)), str(int(has_bias))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0, got["ptxas"]
+    assert got["shared"] <= 232448, got["shared"]
+    assert "0 bytes spill stores" in got["ptxas"] and "C7514" not in got["ptxas"], got["ptxas"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise,tensorwise"])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 64), (37, 272, 200), (300, 4112, 392), (1000, 1536, 1032)])
+def test_gluon_precise_path_is_taken_and_matches(recipe, m, k, n, monkeypatch):
+    # Precise mode with scales constant along K goes to the Gluon kernel on Hopper; it must agree with the
+    # Triton kernel (same promotion interval: both add each 128-deep K tile's product in fp32) and float64.
+    _cuda_fp8()
+    if torch.cuda.get_device_capability()[0] != 9 or S._precise is None:
+        pytest.skip("the Gluon kernel is for Hopper")
+    a, b, sa, sb = _quantized(m, k, n, recipe, (E4M3, E5M2), device="cuda", seed=m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = S._precise.launch_precise
+    monkeypatch.setattr(S._precise, "launch_precise", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
+    outs = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(S, "GLUON_PRECISE", gluon)
+        outs[gluon] = S.scaled_matmul(a, b, sa, sb, bias, out_dtype=torch.float32)
+    assert len(calls) == 1
+    want = _want(a, b, sa, sb, recipe, bias)
+    assert torch.isfinite(outs[True]).all()
+    assert ((outs[True].double() - want).norm() / want.norm()).item() < 5e-4  # fp8 MMA sums within a K tile
+    assert ((outs[True] - outs[False]).norm() / outs[False].norm()).item() < 1e-5

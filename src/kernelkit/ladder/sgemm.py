@@ -306,6 +306,7 @@ DOUBLE_BUFFERED = _WARP_MATH + r"""
 #endif
 #define A_LOADS (BM * BK / 4 / THREADS)  // float4s of the A tile each thread loads
 #define B_LOADS (BK * BN / 4 / THREADS)
+#define A_PAD 4  // floats of padding after each row of the transposed A tile (see store_tiles)
 
 // Rung 9. Double buffering: warptiling with two shared-memory buffers. While the warps run the FMAs of
 // tile t from one buffer, the global loads of tile t+1 are already in flight into registers (a_stage,
@@ -325,7 +326,12 @@ __device__ __forceinline__ void load_tiles(const float* A, const float* B, int K
     }
 }
 
-__device__ __forceinline__ void store_tiles(float (&As)[BK][BM], float (&Bs)[BK][BN], int tid,
+// The transposing stores of A: a warp's 32 lanes hold float4s of 32 / (BK / 4) rows of A and write them down
+// columns of As. Unpadded (BM a multiple of 32 floats), the lanes holding k = 0..3 and those holding k = 4..7
+// hit the same banks: every scalar store a 2-way conflict at BK = 8 (4-way at BK = 16, the warptiling rung's
+// 5e7 store conflicts). A_PAD = 4 floats shifts each row of As by 4 banks, so k and k + 4 land 16 banks apart:
+// no conflict at BK = 8, 2-way at BK = 16. Rows stay 16-byte aligned for the float4 reads of the fragments.
+__device__ __forceinline__ void store_tiles(float (&As)[BK][BM + A_PAD], float (&Bs)[BK][BN], int tid,
                                             const float4 (&a)[A_LOADS], const float4 (&b)[B_LOADS]) {
     #pragma unroll
     for (int i = 0; i < A_LOADS; ++i) {
@@ -345,7 +351,8 @@ sgemm_double_buffered(const float* __restrict__ A, const float* __restrict__ B, 
     static_assert((BM / WM) * (BN / WN) * WARP == THREADS, "one warp per warp tile");
     static_assert((WSUBM / TM) * (WSUBN / TN) == WARP, "the 32 lanes tile one warp sub-tile");
     static_assert(A_LOADS * THREADS * 4 == BM * BK && B_LOADS * THREADS * 4 == BK * BN, "whole float4s per thread");
-    __shared__ __align__(16) float As[2][BK][BM];
+    static_assert(2 * BK * (BM + A_PAD + BN) * 4 <= 48 * 1024, "static shared memory: 48 KB at most");
+    __shared__ __align__(16) float As[2][BK][BM + A_PAD];
     __shared__ __align__(16) float Bs[2][BK][BN];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int warp_row = warp / (BN / WN), warp_col = warp % (BN / WN);
@@ -492,15 +499,26 @@ CUDA_RUNGS = [
              WARPTILING, "sgemm_warptiling", _W,
              block=lambda p: (p["THREADS"], 1, 1), grid=lambda p, m, n: (n // p["BN"], m // p["BM"], 1)),
     CudaRung("double_buffered", "two shared buffers: the next tile's loads fly while the FMAs run; 1 barrier "
-                                "per tile; best of 6 warp-tile shapes",
-             "barrier and long_scoreboard stalls fall; FMA pipe utilization is the highest of the ladder (the "
-             "ceiling for this design); DRAM throughput low: compute-bound",
+                                "per tile; A's rows padded (no store bank conflicts); best of 10 warp-tile shapes",
+             "barrier and long_scoreboard stalls fall; shared store bank conflicts ~0 at BK=8 (warptiling: 5e7); FMA "
+             "pipe utilization the highest of the ladder (the ceiling for this design); DRAM throughput low",
              DOUBLE_BUFFERED, "sgemm_double_buffered", _W,
              block=lambda p: (p["THREADS"], 1, 1), grid=lambda p, m, n: (n // p["BN"], m // p["BM"], 1),
+             # On the H100 at 4096^3 the sweep's first entry won before A was padded (45.5 TF/s, 87.5% of cuBLAS):
+             # 127 registers, 2 blocks of 8 warps per SM, FMA pipe 71%; cuBLAS: FMA 80% at 254 registers, 8 warps
+             # per SM. The other entries trade differently: a lane's 8x8 outputs as one patch (TN=8), or warps of
+             # 32x64; 8x16 outputs per lane (6 shared loads per 128 FMAs instead of 4 per 64) in 128x256 or 256x128
+             # tiles of 8 warps, or 128x128 of 4 warps (2 blocks per SM); 128x64 tiles in 4 blocks of 4 warps (a
+             # barrier waits for 4 warps, not 8). MIN_BLOCKS caps the registers so that many blocks fit
+             # (65536 / (THREADS x MIN_BLOCKS)); nvcc -Xptxas -v shows no spills for any entry (the test checks).
              sweep=(dict(_W, THREADS=256, BK=8, WN=32, WNITER=2, MIN_BLOCKS=2),  # 128 registers: 2 blocks per SM
+                    dict(_W, THREADS=256, BK=8, WN=32, WNITER=1, TN=8, MIN_BLOCKS=2),
+                    dict(_W, THREADS=256, BK=8, WM=32, WN=64, WNITER=2, MIN_BLOCKS=2),
                     dict(_W, THREADS=256, WN=32, WNITER=2),
-                    dict(_W, THREADS=256, BN=256),
+                    dict(_W, THREADS=256, BN=256, BK=8),
+                    dict(_W, THREADS=256, BM=256, BK=8),
                     dict(_W, BK=8),
+                    dict(_W, BN=64, BK=8, WN=32, WNITER=2, MIN_BLOCKS=4),
                     dict(_W, BM=64, WM=32, WNITER=2, MIN_BLOCKS=3))),
 ]
 

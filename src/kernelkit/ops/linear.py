@@ -153,10 +153,13 @@ def _tma_configs() -> list:
     # SUBTILE stores the C tile in two halves: half the store's shared memory, so 128x256 tiles fit 4 stages.
     cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SUBTILE": True,
                            "WARP_SPECIALIZE": False}, num_stages=3, num_warps=4)]
-    # WS: tl.range(warp_specialize=True), which Triton 3.6 compiles for Hopper too (a producer warp feeding
-    # the MMA warpgroups). Swept on the H100 (benchmarks/results/h100/gemm/gemm_configs-tma.json, bf16, no
-    # epilogue): 128x256x64 with split stores and WS was the best at 8192x4096x14336 (686-693 TF/s, cuBLAS 687);
-    # 128x256x64, 3 stages, without either, the best at 4096^3 (716, cuBLAS 769 in that run).
+    # WS asks for tl.range(warp_specialize=True), but Triton 3.6 ignores it in this kernel: compiled for sm_90,
+    # the PTX with and without it is identical (the persistent loop is flatten=True, and the pass wants 4 warps
+    # and an unflattened loop; the split store also trips it). So the WS rows of the sweeps measured the same
+    # kernel twice: their differences (e.g. 686-693 vs 680 TF/s at 8192x4096x14336) are run-to-run noise.
+    # Swept on the H100 (benchmarks/results/h100/gemm/gemm_configs-tma.json, bf16, no epilogue): 128x256x64
+    # tiles are the best at every shape (716 TF/s at 4096^3, cuBLAS 769 in that run); the ladder's
+    # warp_specialized rung has a kernel where the pass does take effect.
     for bm, bn, bk, stages, warps, sub, ws in ((128, 256, 64, 3, 8, False, False), (128, 256, 64, 4, 8, True, False),
                                                (128, 256, 64, 4, 8, True, True), (128, 128, 64, 4, 8, False, False),
                                                (128, 128, 64, 4, 4, False, False), (128, 128, 64, 4, 4, False, True),
