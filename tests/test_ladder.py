@@ -35,7 +35,7 @@ def test_rungs_have_unique_names_and_say_what_changed(kind):
     rungs = ladder.rungs(kind)
     names = [r.name for r in rungs]
     assert len(names) == len(set(names)) and "cublas" not in names
-    assert len(rungs) >= (9 if kind == "sgemm" else 7)
+    assert len(rungs) >= (9 if kind == "sgemm" else 6)
     for r in rungs:
         assert r.what_changed.strip() and r.expect.strip() and r.kernel, r.name
     assert ladder.get(kind, names[-1]).name == names[-1]
@@ -52,11 +52,9 @@ def test_select_rejects_unknown_rungs():
 # --- hgemm: the Triton rungs ---
 
 # In the interpreter every rung runs 32x32x16 tiles (see hgemm._fixed), so these shapes span several programs
-# with ragged M, N and K edges; the persistent rungs run 3 programs looping over the tiles. (33, 47, 40) has
-# N % 8 != 0: the TMA rungs say they cannot run it (needs), the others must. (37, 72, 40): the last column
-# tile's right half (columns 80-95 of the warp-specialized rung's two 16-wide halves) lies wholly past N.
-HGEMM_SHAPES = [(70, 88, 72), (33, 47, 40), (1, 8, 8), (37, 72, 40)]
-TMA_RUNGS = ("persistent_tma", "warp_specialized")
+# with ragged M, N and K edges; the persistent rung runs 3 programs looping over the tiles. (33, 47, 40) has
+# N % 8 != 0: the TMA rung says it cannot run it (needs), the others must.
+HGEMM_SHAPES = [(70, 88, 72), (33, 47, 40), (1, 8, 8)]
 
 
 @pytest.mark.parametrize("shape", HGEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -65,7 +63,7 @@ def test_hgemm_rung_matches_float64(rung, shape, device):
     r = ladder.get("hgemm", rung)
     m, n, k = shape
     if r.needs(m, n, k):
-        assert rung in TMA_RUNGS and n % 8
+        assert rung == "persistent_tma" and n % 8
         return
     gen = torch.Generator().manual_seed(m * n + k)
     a = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
@@ -74,31 +72,6 @@ def test_hgemm_rung_matches_float64(rung, shape, device):
     r.build(a, b, c).run()
     assert torch.isfinite(c).all()
     assert _rel_error(c, a, b) < run.TOLERANCE["hgemm"]
-
-
-@pytest.mark.parametrize("warp_specialize", [False, True])
-def test_hgemm_warp_specialized_with_fixed_params(warp_specialize, device):
-    """The params path (what the profiled re-run takes): both values of WARP_SPECIALIZE, with a GROUP_M that
-    leaves a ragged last group. The interpreter runs both as the plain loop on small tiles; on the GPU the
-    first configs' 128x256 tiles: 12 warps warp-specialized, else 8 (ragged edges in M, N and K)."""
-    if device == "cpu":
-        (m, n, k), tiles = (70, 88, 72), {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_stages": 1, "num_warps": 4}
-    else:
-        (m, n, k), tiles = (700, 1288, 456), {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_stages": 3,
-                                              "num_warps": 4 if warp_specialize else 8}
-    gen = torch.Generator().manual_seed(7)
-    a = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
-    b = torch.randn(k, n, generator=gen).to(device, torch.bfloat16)
-    c = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-    params = {**tiles, "GROUP_M": 2, "WARP_SPECIALIZE": warp_specialize}
-    launch = ladder.get("hgemm", "warp_specialized").build(a, b, c, params)
-    assert launch.params == params
-    launch.run()
-    assert torch.isfinite(c).all()
-    assert _rel_error(c, a, b) < run.TOLERANCE["hgemm"]
-    with pytest.raises(ValueError, match="warp_specialized: needs N % 8"):
-        ladder.get("hgemm", "warp_specialized").build(a[:, :40].contiguous(), b[:40, :47].contiguous(),
-                                                      c[:, :47].contiguous(), params)
 
 
 def test_hgemm_rejects_mismatched_operands():
@@ -117,17 +90,14 @@ _SM90 = textwrap.dedent("""
     from triton.compiler import ASTSource
     from kernelkit.ladder import hgemm
 
-    def features(fn, sig, consts, opts, warps=False):
+    def features(fn, sig, consts, opts):
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n] in ("i32", "*bf16")}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         ptx = k.asm["ptx"]
-        f = {"wgmma": "wgmma.mma_async" in ptx, "cp_async": bool(re.search(r"cp\\.async\\.c[ag]", ptx)),
-             "tma": "cp.async.bulk.tensor" in ptx, "smem": k.metadata.shared}
-        if warps:  # the warps the kernel launches with, and whether warpgroups trade registers (setmaxnreg)
-            f.update(launch_warps=k.metadata.num_warps, setmaxnreg="setmaxnreg" in ptx)
-        return f
+        return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": bool(re.search(r"cp\\.async\\.c[ag]", ptx)),
+                "tma": "cp.async.bulk.tensor" in ptx, "smem": k.metadata.shared}
 
     ops = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
     out = {}
@@ -139,12 +109,6 @@ _SM90 = textwrap.dedent("""
     meta, opts = hgemm._config(hgemm._params(hgemm.hgemm_persistent_tma_autotuned.configs[0]))
     sig = dict(ops, NUM_SMS="constexpr", **{k: "constexpr" for k in meta})
     out["persistent_tma"] = features(hgemm.hgemm_persistent_tma_kernel, sig, dict(meta, NUM_SMS=132), opts)
-    out["warp_specialized"] = []
-    for cfg in hgemm.hgemm_warp_specialized_autotuned.configs:  # every config the GPU run will time must build
-        meta, opts = hgemm._config(hgemm._params(cfg))
-        sig = dict(ops, NUM_SMS="constexpr", **{k: "constexpr" for k in meta})
-        f = features(hgemm.hgemm_warp_specialized_kernel, sig, dict(meta, NUM_SMS=132), opts, warps=True)
-        out["warp_specialized"].append(dict(f, ws=meta["WARP_SPECIALIZE"], num_warps=opts["num_warps"]))
     print(json.dumps(out))
 """)
 
@@ -154,19 +118,11 @@ def test_hgemm_rungs_compile_for_sm90_and_show_their_step():
     out = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     f = json.loads(out.stdout.strip().splitlines()[-1])
-    ws = f.pop("warp_specialized")
-    assert all(v["wgmma"] for v in [*f.values(), *ws]), (f, ws)  # tl.dot is a warpgroup MMA on Hopper
+    assert all(v["wgmma"] for v in f.values()), f  # tl.dot is a warpgroup MMA on Hopper
     assert not f["tile"]["cp_async"] and f["pipelined"]["cp_async"], f  # num_stages=1 vs 4
     assert f["pipelined"]["smem"] == 4 * f["tile"]["smem"], f  # a ring of 4 k-steps of A and B
     assert f["persistent_tma"]["tma"] and not f["persistent_tma"]["cp_async"], f
     assert f["persistent_tma"]["smem"] <= 227 * 1024, f
-    # Warp-specialized configs really are (Triton 3.6 on Hopper does it only for num_warps=4 and an unflattened
-    # loop, and silently falls back otherwise): a producer and a second consumer warpgroup added, registers
-    # moved between them; the unspecialized control is not. All fit the 227 KB of shared memory.
-    assert any(v["ws"] for v in ws) and any(not v["ws"] for v in ws), ws
-    for v in ws:
-        assert v["tma"] and not v["cp_async"] and v["smem"] <= 227 * 1024, ws
-        assert (v["launch_warps"], v["setmaxnreg"]) == ((12, True) if v["ws"] else (v["num_warps"], False)), ws
 
 
 # --- sgemm: the CUDA C rungs ---

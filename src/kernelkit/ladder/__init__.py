@@ -5,7 +5,7 @@ Two ladders, each a list of real kernels that compute C = A @ B (row-major, A: M
 - `sgemm` (fp32 on the CUDA cores): CUDA C in `sgemm.py`, compiled at run time through NVRTC (CuPy or
   cuda-python), from the naive one-thread-per-output kernel to warptiling with double-buffered shared memory.
 - `hgemm` (bf16 on the tensor cores): Triton in `hgemm.py`, from one tile per program to a persistent kernel
-  fed by TMA and its warp-specialized version.
+  fed by TMA.
 
 Every rung says what changed and which profiler numbers should move (`expect`); `run.py` times the rungs side
 by side with cuBLAS, checks each against a float64 product first, and `signature.py` reads the Nsight Compute

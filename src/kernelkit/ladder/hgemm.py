@@ -3,10 +3,9 @@
 `tl.dot` already runs on the tensor cores (wgmma on Hopper), so this ladder starts where the fp32 one ends: the
 steps are about feeding them. Rungs 1-5 are one kernel (`hgemm_kernel`) under different launch parameters; read
 the table of rungs at the bottom to see exactly what each changes. Rung 6 is a second kernel: persistent, its
-operands fetched by the TMA engine through tensor descriptors. Rung 7 is rung 6 warp-specialized: a producer
-warpgroup issues the TMA loads while two MMA warpgroups consume, and C is stored in two halves.
+operands fetched by the TMA engine through tensor descriptors.
 
-Shapes: any M, N, K. Loads are masked at the edges (rungs 1-5) or clipped by the TMA unit (rungs 6-7, which need
+Shapes: any M, N, K. Loads are masked at the edges (rungs 1-5) or clipped by the TMA unit (rung 6, which needs
 N % 8 == K % 8 == 0: TMA wants 16-byte aligned row strides). bf16 in, fp32 accumulation, bf16 out, as cuBLAS.
 Dense bf16 peak of an H100 SXM: ~989 TFLOP/s; cuBLAS reaches ~740 at 4096^3.
 """
@@ -129,64 +128,12 @@ hgemm_persistent_tma_autotuned = autotune(
     key=["M", "N", "K"])(hgemm_persistent_tma_kernel)
 
 
-@triton.jit
-def hgemm_warp_specialized_kernel(A, B, C, M, N, K, NUM_SMS: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """Rung 6 warp-specialized. In rung 6 the same warps issue the TMA loads, wait for them, run the MMAs and
-    store C, so whatever they wait on, the tensor cores wait on too. With `warp_specialize` Triton splits the
-    tile loop between warpgroups: a producer only issues TMA loads into the ring of stages (running ahead
-    into the next tile while C is stored), and two consumer warpgroups, BLOCK_M / 2 rows each, only wait for
-    full stages, multiply and store C, with the registers the producer gives up (setmaxnreg). Triton 3.6 does
-    this on Hopper for num_warps=4 (those 4 warps become the producer and it adds the two consumer warpgroups:
-    12 warps) and a loop it does not flatten; other configs compile to rung 6's single-role pipeline.
-    C is accumulated and stored by TMA as two BLOCK_M x BLOCK_N/2 halves: the epilogue needs half rung 6's
-    shared memory, so a 128x256 tile keeps 4 stages of A and B in flight (4 x 48 KB + 32 KB of the 227 KB).
-    (The halves are two accumulators fed by two B boxes: Triton 3.6's Hopper warp specialization rejects the
-    reshape / permute / split that would cut one accumulator in two.)"""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(B, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, HALF_N])
-    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, HALF_N])
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    FLATTEN: tl.constexpr = not WARP_SPECIALIZE  # a flattened loop is not warp-specialized (Triton 3.6)
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_position(tile, grid_m, grid_n, GROUP_M)
-        left = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-        right = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-        for ks in range(k_steps):
-            a = a_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
-            left = _mma(a, b_desc.load([ks * BLOCK_K, pid_n * BLOCK_N]), left)
-            right = _mma(a, b_desc.load([ks * BLOCK_K, pid_n * BLOCK_N + HALF_N]), right)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(C.dtype.element_ty))
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + HALF_N], right.to(C.dtype.element_ty))
-
-
-def _ws(bm, bn, bk, stages, warps, warp_specialize) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                          "WARP_SPECIALIZE": warp_specialize}, num_stages=stages, num_warps=warps)
-
-
-# Warp-specialized configs first: 128x256 (each consumer 64x256, rung 6's best tile) at 4 and 3 stages, and
-# 256x128; last, the same kernel unspecialized at 8 warps (two halves, 4 stages), so the row shows whether the
-# split of roles is what pays. The JSON's params say which one ran. The interpreter runs the small tile (there
-# warp_specialize and flatten change nothing: they are compiler passes).
-_WS_INTERPRETER_ONLY = [triton.Config({**_INTERPRETER_CONFIG.kwargs, "WARP_SPECIALIZE": True}, num_stages=1,
-                                      num_warps=4)] if interpreting() else []
-hgemm_warp_specialized_autotuned = autotune(
-    [*_WS_INTERPRETER_ONLY, _ws(128, 256, 64, 4, 4, True), _ws(128, 256, 64, 3, 4, True),
-     _ws(256, 128, 64, 4, 4, True), _ws(128, 256, 64, 4, 8, False)],
-    key=["M", "N", "K"])(hgemm_warp_specialized_kernel)
-
-
 # --- launchers ---
 
 def _config(params: dict) -> tuple[dict, dict]:
     """(constexprs, launch options) of a params dict."""
-    options = ("num_warps", "num_stages")
-    return {k: v for k, v in params.items() if k not in options}, {k: params[k] for k in options}
+    meta = {k: params[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    return meta, {"num_warps": params["num_warps"], "num_stages": params["num_stages"]}
 
 
 def _params(cfg: triton.Config) -> dict:
@@ -237,8 +184,7 @@ def _tma_problem(m: int, n: int, k: int) -> Optional[str]:
     return None
 
 
-def _build_persistent(a, b, c, params: Optional[dict], kernel, autotuned, rung: str) -> Launch:
-    """Rungs 6-7: the persistent TMA `kernel` with `params`, or its `autotuned` version's choice."""
+def _build_persistent(a, b, c, params: Optional[dict]) -> Launch:
     _check_operands(a, b, c)
     m, k = a.shape
     n = b.shape[1]
@@ -246,18 +192,20 @@ def _build_persistent(a, b, c, params: Optional[dict], kernel, autotuned, rung: 
         if not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(f"{name} must be contiguous and 16-byte aligned for TMA")
     if problem := _tma_problem(m, n, k):
-        raise ValueError(f"hgemm {rung}: {problem} (got M={m}, N={n}, K={k})")
+        raise ValueError(f"hgemm persistent_tma: {problem} (got M={m}, N={n}, K={k})")
     if a.is_cuda:
         ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
     sms = num_sms(a.device) if a.is_cuda else 3  # 3 programs in the interpreter: each loops over several tiles
     grid = lambda meta: (min(sms, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
     args = (a, b, c, m, n, k)
     if params is None:
-        launch(autotuned, grid, (m, n, k, a.dtype, sms), *args, NUM_SMS=sms)
-        return Launch(lambda: launch(autotuned, grid, (m, n, k, a.dtype, sms), *args, NUM_SMS=sms),
-                      _chosen(autotuned) or {})
+        kernel = hgemm_persistent_tma_autotuned
+        launch(kernel, grid, (m, n, k, a.dtype, sms), *args, NUM_SMS=sms)
+        return Launch(lambda: launch(kernel, grid, (m, n, k, a.dtype, sms), *args, NUM_SMS=sms),
+                      _chosen(kernel) or {})
     meta, options = _config(params)
-    return Launch(lambda: kernel[grid(meta)](*args, NUM_SMS=sms, **meta, **options), dict(params))
+    return Launch(lambda: hgemm_persistent_tma_kernel[grid(meta)](*args, NUM_SMS=sms, **meta, **options),
+                  dict(params))
 
 
 # --- the rungs ---
@@ -291,14 +239,6 @@ RUNGS = [
     Rung("persistent_tma", "persistent (one program per SM looping over tiles), operands by TMA tensor "
                            "descriptors, k and tile loops in one pipeline",
          "grid = number of SMs; no LSU global-load requests (TMA moves the bytes); tensor pipe the highest",
-         "hgemm_persistent_tma_kernel", needs=_tma_problem,
-         build=lambda a, b, c, params=None: _build_persistent(a, b, c, params, hgemm_persistent_tma_kernel,
-                                                              hgemm_persistent_tma_autotuned, "persistent_tma")),
-    Rung("warp_specialized", "rung 6 warp-specialized: a producer warpgroup issues the TMA loads, two consumer "
-                             "warpgroups only multiply; C in two halves, so 4 stages fit; best of 4 configs",
-         "block of 384 threads (num_warps=4 become the producer, Triton adds 2 consumer warpgroups); tensor "
-         "pipe above rung 6's; fewer barrier stalls (the consumers wait on full stages, not on their loads)",
-         "hgemm_warp_specialized_kernel", needs=_tma_problem,
-         build=lambda a, b, c, params=None: _build_persistent(a, b, c, params, hgemm_warp_specialized_kernel,
-                                                              hgemm_warp_specialized_autotuned, "warp_specialized")),
+         "hgemm_persistent_tma_kernel", build=lambda a, b, c, params=None: _build_persistent(a, b, c, params),
+         needs=_tma_problem),
 ]
