@@ -38,7 +38,10 @@ def test_shapes_and_epilogue_combinations(m, k, n, bias, residual, scale, device
     x, w, b, r = _inputs(m, k, n, torch.float32, device, seed=m + k + n)
     args = (x, w, b if bias else None, "silu", r if residual else None)
     grads = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    rep = check(L.linear, L.reference, args, {"scale": scale}, grad_args=grads)
+    # With M = 1 and N = 8, dx is one number: a sum of 8 terms under a fresh random grad_output, whose
+    # cancellation can magnify fp32 rounding past 1e-5 relative (7.4e-5 seen once in CI-like runs).
+    grad_tol = 1e-4 if m * n <= 8 else None
+    rep = check(L.linear, L.reference, args, {"scale": scale}, grad_args=grads, grad_tol=grad_tol)
     rep.raise_if_failed()
 
 
