@@ -41,8 +41,8 @@ def main():
         a, b, sa, sb = operands(m, k, n, rowwise, gen)
         bvec = torch.randn(n, device="cuda", generator=gen) if bias else None
         out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
-        P.launch_precise(a, b, out, sa, sb, bvec, rowwise, rowwise, sa.stride(0) if rowwise else 0,
-                         sb.stride(1) if rowwise else 0, sms)
+        P.launch_precise(a, b, out, sa, sb, bvec, (int(rowwise), sa.stride(0) if rowwise else 0, 0, False),
+                         (int(rowwise), sb.stride(1) if rowwise else 0, 0, False), sms)
         exact = (a.double() * sa.double()) @ (b.double() * sb.double())
         if bias:
             exact += bvec.double()
@@ -67,7 +67,8 @@ def main():
                  "kernelkit triton precise": lambda: S.scaled_matmul_fwd(a, b, sa, sb)}
         for stages in (3, 4, 5):
             impls[f"gluon precise, {stages} stages"] = (
-                lambda st=stages: P.launch_precise(a, b, out, sa, sb, None, False, False, 0, 0, sms, stages=st))
+                lambda st=stages: P.launch_precise(a, b, out, sa, sb, None, (0, 0, 0, False), (0, 0, 0, False), sms,
+                                                   stages=st))
         for name, fn in impls.items():
             try:
                 fn()

@@ -357,9 +357,10 @@ args = {"a_desc": desc(torch.empty(m, k, dtype=torch.float8_e4m3fn), [P.BLOCK_M 
         "b_desc": desc(torch.empty(n, k, dtype=torch.float8_e5m2), [P.BLOCK_N, P.BLOCK_K]),
         "c_desc": desc(torch.empty(m, n, dtype=out_dtype), [P.BLOCK_M // 2, P.BLOCK_N]),
         "SCALE_A": torch.empty(m, 1), "SCALE_B": torch.empty(1), "BIAS": torch.empty(n, dtype=torch.bfloat16),
-        "M": m, "N": n, "K": k, "stride_sa": 3, "stride_sb": 0, "stride_bias": 5}
-const = {"A_ROWWISE": a_rowwise, "B_ROWWISE": False, "HAS_BIAS": has_bias, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M,
-         "CONSUMER_REGS": P.CONSUMER_REGS, "PRODUCER_REGS": P.PRODUCER_REGS}
+        "M": m, "N": n, "K": k, "stride_sam": 3, "stride_sak": 7, "stride_sbn": 0, "stride_sbk": 2, "stride_bias": 5}
+const = {"A_GROUP": 1 if a_rowwise else 0, "B_GROUP": 128 if a_rowwise else 0, "K_BLOCKED": a_rowwise,
+         "HAS_BIAS": has_bias, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M, "CONSUMER_REGS": P.CONSUMER_REGS,
+         "PRODUCER_REGS": P.PRODUCER_REGS}
 sig = {**{name: mangle_type(v) for name, v in args.items()}, **{c: "constexpr" for c in const}}
 src = GluonASTSource(fn=P.fp8_precise_kernel, signature=sig, constexprs={(list(sig).index(c),): v for c, v in const.items()})
 ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -373,6 +374,7 @@ print(json.dumps({"shared": ck.metadata.shared, "ptxas": ptxas.stderr, "rc": ptx
 
 @pytest.mark.parametrize("out_dtype,a_rowwise,has_bias", [("bfloat16", True, True), ("float32", False, False)])
 def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_rowwise, has_bias):
+    # (a_rowwise=True builds the block-scaled variant: 1x128 scales of a, 128x128 of b, applied per K step.)
     # The Gluon kernel cannot run in the interpreter: CI builds it for the H100 (Triton's compiler, then ptxas)
     # and checks what the design depends on: it fits in shared memory, no spills, and no C7514 (ptxas
     # serializing the MMAs because something reads an accumulator before its wait).
@@ -392,10 +394,11 @@ def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_rowwise, has_bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise,tensorwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise,tensorwise", "1x128,128x128", "1x128,128x1",
+                                    "128x128,128x128", "1x128,tensorwise"])
 @pytest.mark.parametrize("m,k,n", [(1, 128, 64), (37, 272, 200), (300, 4112, 392), (1000, 1536, 1032)])
 def test_gluon_precise_path_is_taken_and_matches(recipe, m, k, n, monkeypatch):
-    # Precise mode with scales constant along K goes to the Gluon kernel on Hopper; it must agree with the
+    # Precise mode (and every block-scaled call) goes to the Gluon kernel on Hopper; it must agree with the
     # Triton kernel (same promotion interval: both add each 128-deep K tile's product in fp32) and float64.
     _cuda_fp8()
     if torch.cuda.get_device_capability()[0] != 9 or S._precise is None:

@@ -290,13 +290,13 @@ def scaled_matmul_fwd(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
     tma, b_k_major = _tma_layout(a, b)
     k_blocked = a_kb or b_kb
-    if (not use_fast_accum and not k_blocked and a_group in (0, 1) and b_group in (0, 1) and tma and b_k_major
-            and _precise is not None and GLUON_PRECISE and _precise.supports(a, b, out_dtype)):
-        # (With K <= 128 a 128x128 block scale is constant along K but not rowwise: it stays on Triton.)
-        # Precise mode with scales constant along K on Hopper: the warp-specialized Gluon kernel, whose two
-        # consumer warpgroups hide each other's fp32 promotions (0.90-0.96x torch._scaled_mm, vs 0.67-0.76x here).
-        _precise.launch_precise(a, b, out, scale_a, scale_b, bias, a_group == 1, b_group == 1, s_am, s_bn,
-                                num_sms(a.device))
+    if ((not use_fast_accum or k_blocked) and tma and b_k_major and _precise is not None and GLUON_PRECISE
+            and _precise.supports(a, b, out_dtype)):
+        # Precise mode (and block scales, which promote every K tile in either mode) on Hopper: the
+        # warp-specialized Gluon kernel, whose two consumer warpgroups hide each other's fp32 promotions
+        # (0.90-0.96x torch._scaled_mm tensorwise; the Triton kernel 0.67-0.76x).
+        _precise.launch_precise(a, b, out, scale_a, scale_b, bias, (a_group, s_am, s_ak, a_kb),
+                                (b_group, s_bn, s_bk, b_kb), num_sms(a.device))
         return out
     bias_arg = bias if bias is not None else scale_a  # dummy pointer, never read
     m_bucket = next_pow2(m)

@@ -55,13 +55,17 @@ def _grouped_tile(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _scales(S, start, n, stride, ROWWISE: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
-    """A (BLOCK,) fp32 vector of the scales of rows (or columns) start..start+BLOCK: one per row, or one for all."""
-    idx = start + gl.arange(0, BLOCK, layout=layout)
-    if ROWWISE:
+def _scales(S, start, n, stride, GROUP: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """A (BLOCK,) fp32 vector of the scales of rows (or columns) start..start+BLOCK along one K block: GROUP
+    consecutive rows share a scale (0: all of them; 1: one each; 128: DeepSeek-V3's blocks, which a tile's
+    64 or 128 aligned rows never straddle)."""
+    if GROUP == 0:
+        return gl.full((BLOCK,), 0.0, gl.float32, layout=layout) + gl.load(S)
+    elif GROUP == 1:
+        idx = start + gl.arange(0, BLOCK, layout=layout)
         return gl.load(S + idx * stride, mask=idx < n, other=0.0)
     else:
-        return gl.full((BLOCK,), 0.0, gl.float32, layout=layout) + gl.load(S)
+        return gl.full((BLOCK,), 0.0, gl.float32, layout=layout) + gl.load(S + (start // GROUP) * stride)
 
 
 @gluon.jit
@@ -94,10 +98,12 @@ def _ws_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES: 
 
 @gluon.jit
 def _ws_consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, SCALE_A, SCALE_B, BIAS, M, N, K,
-                 stride_sa, stride_sb, stride_bias, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, HALF: gl.constexpr):
+                 stride_sam, stride_sak, stride_sbn, stride_sbk, stride_bias, A_GROUP: gl.constexpr,
+                 B_GROUP: gl.constexpr, K_BLOCKED: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: rows [64 HALF, 64 HALF + 64) of each tile. Per K step: wait for the boxes, MMA into a
-    fresh register tile and wait for it, release the slot, add the tile product to the fp32 accumulator."""
+    fresh register tile and wait for it, release the slot, add the tile product to the fp32 accumulator
+    (times the K block's scales when they change along K: DeepSeek-V3's 1x128 / 128x128 recipes)."""
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -116,21 +122,30 @@ def _ws_consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, S
     c = gl.to_tensor(0)
     for t in range(my_tiles):
         pid_m, pid_n = _grouped_tile(gl.program_id(0) + t * gl.num_programs(0), grid_m, grid_n, GROUP_M)
+        row0 = pid_m * 2 * HALF_M + HALF * HALF_M
+        col0 = pid_n * BLOCK_N
         acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
         for ks in range(k_steps):
+            if K_BLOCKED:  # this K block's scales, loaded before the wait so their latency hides behind it
+                sa_k = _scales(SCALE_A + ks * stride_sak, row0, M, stride_sam, A_GROUP, HALF_M, row_layout)
+                sb_k = _scales(SCALE_B + ks * stride_sbk, col0, N, stride_sbn, B_GROUP, BLOCK_N, col_layout)
             slot = c % STAGES
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
             part = warpgroup_mma(a_bufs.index(2 * slot + HALF), b_bufs.index(slot).permute((1, 0)), zero,
                                  use_acc=False)
             mbarrier.arrive(empty.index(slot), count=1)
-            acc = acc + part  # the promotion: overlaps the other warpgroup's MMA
+            # The promotion, under the other warpgroup's MMA.
+            if K_BLOCKED:
+                acc = acc + part * gl.expand_dims(sa_k, 1) * gl.expand_dims(sb_k, 0)
+            else:
+                acc = acc + part
             c += 1
 
         # Epilogue: scales constant along K multiply the fp32 sum once, then bias, one rounding, a TMA store.
-        row0 = pid_m * 2 * HALF_M + HALF * HALF_M
-        sa = _scales(SCALE_A, row0, M, stride_sa, A_ROWWISE, HALF_M, row_layout)
-        sb = _scales(SCALE_B, pid_n * BLOCK_N, N, stride_sb, B_ROWWISE, BLOCK_N, col_layout)
-        acc = acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+        if not K_BLOCKED:
+            sa = _scales(SCALE_A, row0, M, stride_sam, A_GROUP, HALF_M, row_layout)
+            sb = _scales(SCALE_B, col0, N, stride_sbn, B_GROUP, BLOCK_N, col_layout)
+            acc = acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
         if HAS_BIAS:
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
             bias = gl.load(BIAS + cols * stride_bias, mask=cols < N, other=0.0).to(gl.float32)
@@ -143,8 +158,11 @@ def _ws_consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, S
 
 
 @gluon.jit
-def fp8_precise_kernel(a_desc, b_desc, c_desc, SCALE_A, SCALE_B, BIAS, M, N, K, stride_sa, stride_sb, stride_bias,
-                       A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, HAS_BIAS: gl.constexpr,
+def fp8_precise_kernel(a_desc, b_desc, c_desc, SCALE_A, SCALE_B, BIAS, M, N, K,
+                       stride_sam, stride_sak,  # scale_a: (row or 128-row block, 128-K block)
+                       stride_sbn, stride_sbk,  # scale_b: (column or 128-column block, 128-K block)
+                       stride_bias, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, K_BLOCKED: gl.constexpr,
+                       HAS_BIAS: gl.constexpr,
                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
     """Persistent, warp-specialized: a producer warp and two consumer warpgroups, each consumer on its own
@@ -166,15 +184,17 @@ def fp8_precise_kernel(a_desc, b_desc, c_desc, SCALE_A, SCALE_B, BIAS, M, N, K, 
     M = gl.to_tensor(M)
     N = gl.to_tensor(N)
     K = gl.to_tensor(K)
-    stride_sa = gl.to_tensor(stride_sa)
-    stride_sb = gl.to_tensor(stride_sb)
+    stride_sam = gl.to_tensor(stride_sam)
+    stride_sak = gl.to_tensor(stride_sak)
+    stride_sbn = gl.to_tensor(stride_sbn)
+    stride_sbk = gl.to_tensor(stride_sbk)
     stride_bias = gl.to_tensor(stride_bias)
     gl.warp_specialize([(_ws_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, SCALE_A,
-                                        SCALE_B, BIAS, M, N, K, stride_sa, stride_sb, stride_bias, A_ROWWISE,
-                                        B_ROWWISE, HAS_BIAS, STAGES, GROUP_M, 0)),
+                                        SCALE_B, BIAS, M, N, K, stride_sam, stride_sak, stride_sbn, stride_sbk,
+                                        stride_bias, A_GROUP, B_GROUP, K_BLOCKED, HAS_BIAS, STAGES, GROUP_M, 0)),
                         (_ws_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, SCALE_A,
-                                        SCALE_B, BIAS, M, N, K, stride_sa, stride_sb, stride_bias, A_ROWWISE,
-                                        B_ROWWISE, HAS_BIAS, STAGES, GROUP_M, 1)),
+                                        SCALE_B, BIAS, M, N, K, stride_sam, stride_sak, stride_sbn, stride_sbk,
+                                        stride_bias, A_GROUP, B_GROUP, K_BLOCKED, HAS_BIAS, STAGES, GROUP_M, 1)),
                         (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES, GROUP_M))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -195,9 +215,13 @@ def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
 
-def launch_precise(a, b, out, scale_a, scale_b, bias, a_rowwise: bool, b_rowwise: bool, s_am: int, s_bn: int,
-                   num_programs: int, stages: int = STAGES) -> None:
-    """out = (a * scale_a) @ (b * scale_b) + bias through fp8_precise_kernel (see `supports`)."""
+def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scaling: tuple, num_programs: int,
+                   stages: int = STAGES) -> None:
+    """out = (a * scale_a) @ (b * scale_b) + bias through fp8_precise_kernel (see `supports`). a_scaling and
+    b_scaling: (group, stride along rows / columns, stride along 128-K blocks, changes along K), as
+    scaled_matmul's _scaling reads them off the scales' shapes."""
+    a_group, s_am, s_ak, a_kb = a_scaling
+    b_group, s_bn, s_bk, b_kb = b_scaling
     m, k = a.shape
     n = b.shape[1]
 
@@ -211,7 +235,7 @@ def launch_precise(a, b, out, scale_a, scale_b, bias, a_rowwise: bool, b_rowwise
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
     bias_arg = bias if bias is not None else scale_a  # never read without HAS_BIAS
     fp8_precise_kernel[(min(num_programs, tiles),)](
-        a_desc, b_desc, c_desc, scale_a, scale_b, bias_arg, m, n, k, s_am, s_bn,
-        bias.stride(0) if bias is not None else 0,
-        A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise, HAS_BIAS=bias is not None, STAGES=stages, GROUP_M=GROUP_M,
+        a_desc, b_desc, c_desc, scale_a, scale_b, bias_arg, m, n, k, s_am, s_ak, s_bn, s_bk,
+        bias.stride(0) if bias is not None else 0, A_GROUP=a_group, B_GROUP=b_group, K_BLOCKED=bool(a_kb or b_kb),
+        HAS_BIAS=bias is not None, STAGES=stages, GROUP_M=GROUP_M,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
