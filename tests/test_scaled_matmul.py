@@ -339,15 +339,12 @@ def test_scale_shape_error_lists_each_shape_once(m, k, n, device):
 
 
 _GLUON_COMPILE = r"""
-import json, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
+import json, sys
+import torch
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.jit import mangle_type
 from kernelkit.ops import scaled_matmul_precise as P
+from kernelkit.testing.compile_check import compile_gluon
 out_dtype, a_rowwise, has_bias = getattr(torch, sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 m, n, k = 256, 256, 512
 def desc(t, block):
@@ -361,14 +358,8 @@ args = {"a_desc": desc(torch.empty(m, k, dtype=torch.float8_e4m3fn), [P.BLOCK_M 
 const = {"A_GROUP": 1 if a_rowwise else 0, "B_GROUP": 128 if a_rowwise else 0, "K_BLOCKED": a_rowwise,
          "HAS_BIAS": has_bias, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M, "CONSUMER_REGS": P.CONSUMER_REGS,
          "PRODUCER_REGS": P.PRODUCER_REGS}
-sig = {**{name: mangle_type(v) for name, v in args.items()}, **{c: "constexpr" for c in const}}
-src = GluonASTSource(fn=P.fp8_precise_kernel, signature=sig, constexprs={(list(sig).index(c),): v for c, v in const.items()})
-ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-    f.write(ck.asm["ptx"]); f.flush()
-    ptxas = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
-                           text=True)
-print(json.dumps({"shared": ck.metadata.shared, "ptxas": ptxas.stderr, "rc": ptxas.returncode}))
+got = compile_gluon(P.fp8_precise_kernel, args, const)
+print(json.dumps({"shared": got["shared"], "ptxas": got["ptxas"], "rc": got["ptxas_rc"]}))
 """
 
 

@@ -3,7 +3,8 @@
 `tl.dot` already runs on the tensor cores (wgmma on Hopper), so this ladder starts where the fp32 one ends: the
 steps are about feeding them. Rungs 1-5 are one kernel (`hgemm_kernel`) under different launch parameters; read
 the table of rungs at the bottom to see exactly what each changes. Rung 6 is a second kernel: persistent, its
-operands fetched by the TMA engine through tensor descriptors.
+operands fetched by the TMA engine through tensor descriptors. Rung 7 (`hgemm_gluon.py`) writes out in Gluon
+what Triton decides for you: warps specialized by role, synchronized through mbarriers.
 
 Shapes: any M, N, K. Loads are masked at the edges (rungs 1-5) or clipped by the TMA unit (rung 6, which needs
 N % 8 == K % 8 == 0: TMA wants 16-byte aligned row strides). bf16 in, fp32 accumulation, bf16 out, as cuBLAS.
@@ -241,4 +242,17 @@ RUNGS = [
          "grid = number of SMs; no LSU global-load requests (TMA moves the bytes); tensor pipe the highest",
          "hgemm_persistent_tma_kernel", build=lambda a, b, c, params=None: _build_persistent(a, b, c, params),
          needs=_tma_problem),
+    Rung("gluon_warp_specialized", "Gluon: a producer warp feeds a TMA/mbarrier ring; two consumer warpgroups "
+                                   "(64 rows each) only issue wgmma, one MMA always in flight; no CTA barrier in "
+                                   "the K loop (hgemm_gluon.py)",
+         "3 warpgroups' worth of threads (2 x 128 + 32), setmaxnreg; tensor pipe the highest of the ladder, "
+         "barrier stalls gone; top stall on the consumers' mbarrier waits only when loads fall behind",
+         "hgemm_gluon_ws_kernel", build=lambda a, b, c, params=None: _gluon().build(a, b, c, params),
+         needs=lambda m, n, k: _gluon().needs(m, n, k)),
 ]
+
+
+def _gluon():
+    from . import hgemm_gluon  # Gluon (Triton 3.6+), imported when the rung is used
+
+    return hgemm_gluon

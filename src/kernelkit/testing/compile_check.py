@@ -125,3 +125,30 @@ def compile_in_subprocess(records: list, arch: int = 90, timeout: int = 900) -> 
     if out.returncode != 0:
         return [f"compile subprocess failed: {out.stderr[-2000:]}"]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compile_gluon(fn, args: dict, constexprs: dict, num_warps: int = 4, arch: int = 90) -> dict:
+    """Build a Gluon kernel for sm_`arch` without a GPU (Gluon has no interpreter to record launches from):
+    `args` maps each runtime parameter to an example value (tensors, gluon TensorDescriptors over CPU
+    tensors, ints), `constexprs` the rest. Returns its shared memory, PTX and ptxas' resource report (register
+    count, spills, and notes such as C7514: wgmma serialized). Call it in a process that is not interpreting."""
+    import subprocess as sp
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    sig = {**{name: mangle_type(v) for name, v in args.items()}, **{c: "constexpr" for c in constexprs}}
+    const = {(list(sig).index(c),): v for c, v in constexprs.items()}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const),
+                            target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        ptxas = sp.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+                       capture_output=True, text=True)
+    return {"shared": kernel.metadata.shared, "ptx": ptx, "ptxas": ptxas.stderr, "ptxas_rc": ptxas.returncode}
