@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..ops._gemm import grouped_tile_gluon  # GROUP_M row tiles sweep the columns together, as rung 3
 from ..tune import num_sms
 from . import Launch
 
@@ -40,15 +41,6 @@ CONSUMER_REGS, PRODUCER_REGS = 232, 40  # per thread: a 64 x 256 fp32 accumulato
 
 
 @gluon.jit
-def _tile_position(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
-    # Grouped order, as rung 3: GROUP_M row tiles sweep the columns together (B tiles reused from L2).
-    per_group = GROUP_M * grid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(grid_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -57,7 +49,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES: gl.
     grid_n = gl.cdiv(N, BLOCK_N)
     p = gl.to_tensor(0)
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_position(tile, grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_gluon(tile, grid_m, grid_n, GROUP_M)
         for k in range(0, K, BLOCK_K):
             slot = p % STAGES
             # Wait until both consumers released this slot's previous contents (a fresh barrier counts as
@@ -85,7 +77,7 @@ def _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, M, N
     c_smem = c_bufs.index(HALF)
     c = gl.to_tensor(0)
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_position(tile, grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_gluon(tile, grid_m, grid_n, GROUP_M)
         acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
         prev_slot = gl.to_tensor(0)
         for k in range(0, K, BLOCK_K):

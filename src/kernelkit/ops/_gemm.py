@@ -1,11 +1,13 @@
-"""What kernelkit's GEMM kernels share (linear, moe, scaled_matmul): the grouped tile order, the K-step of a
-plain or gate-up (SwiGLU) product, and tl.dot's input precision."""
+"""What kernelkit's GEMM kernels share (linear, moe, scaled_matmul, the ladder's Gluon rung): the grouped tile order
+(Triton and Gluon), the K-step of a plain or gate-up (SwiGLU) product, and tl.dot's input precision."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from ..tune import interpreting
 
@@ -21,6 +23,15 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
     per_group = GROUP_M * grid_n
     first_m = (pid // per_group) * GROUP_M
     group_m = min(grid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@gluon.jit
+def grouped_tile_gluon(pid, grid_m, grid_n, GROUP_M: gl.constexpr):
+    """grouped_tile for Gluon kernels (scaled_matmul's precise kernel, the ladder's Gluon rung)."""
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(grid_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
 

@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._gemm import grouped_tile_gluon
+
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # registers per thread: consumer warpgroup (the default partition gets
 # what the kernel has left) and the producer warp
@@ -43,15 +45,6 @@ STAGES = 5  # 32 KiB of a and b per stage (+ 32-64 KiB of C tiles: 5 fit in 227 
 GROUP_M = 8
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
               torch.float16: gl.float16, torch.float32: gl.float32}
-
-
-@gluon.jit
-def _grouped_tile(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
-    # GROUP_M row tiles sweep the column tiles together, so the b tiles they share stay in L2.
-    per_group = GROUP_M * grid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(grid_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
 
 @gluon.jit
@@ -82,7 +75,7 @@ def _ws_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES: 
     my_tiles = gl.cdiv(grid_m * grid_n - gl.program_id(0), gl.num_programs(0))
     p = gl.to_tensor(0)
     for t in range(my_tiles):
-        pid_m, pid_n = _grouped_tile(gl.program_id(0) + t * gl.num_programs(0), grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_gluon(gl.program_id(0) + t * gl.num_programs(0), grid_m, grid_n, GROUP_M)
         for ks in range(k_steps):
             slot = p % STAGES
             # A fresh barrier counts as having completed the phase before its first: round 0 passes at once.
@@ -121,7 +114,7 @@ def _ws_consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, S
     c_smem = c_bufs.index(HALF)
     c = gl.to_tensor(0)
     for t in range(my_tiles):
-        pid_m, pid_n = _grouped_tile(gl.program_id(0) + t * gl.num_programs(0), grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_gluon(gl.program_id(0) + t * gl.num_programs(0), grid_m, grid_n, GROUP_M)
         row0 = pid_m * 2 * HALF_M + HALF * HALF_M
         col0 = pid_n * BLOCK_N
         acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
