@@ -305,6 +305,7 @@ def test_tma_and_pointer_paths_agree(monkeypatch):
     _cuda_fp8()
     a, b, sa, sb = _quantized(512, 1024, 768, "1x128,128x128", device="cuda")
     outs = []
+    monkeypatch.setattr(S, "GLUON_PRECISE", False)  # the Triton kernel's two load paths (Gluon: its own test)
     for tma in (True, False):
         monkeypatch.setattr(S, "USE_TMA", tma)
         outs.append(S.scaled_matmul(a, b, sa, sb, out_dtype=torch.float32))
@@ -345,7 +346,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernelkit.ops import scaled_matmul_precise as P
 from kernelkit.testing.compile_check import compile_gluon
-out_dtype, a_rowwise, has_bias = getattr(torch, sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+out_dtype, a_group, b_group, k_blocked = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 m, n, k = 256, 256, 512
 def desc(t, block):
     layout = gl.NVMMASharedLayout.get_default_for(block, P._GL_DTYPES[t.dtype])
@@ -355,17 +356,17 @@ args = {"a_desc": desc(torch.empty(m, k, dtype=torch.float8_e4m3fn), [P.BLOCK_M 
         "c_desc": desc(torch.empty(m, n, dtype=out_dtype), [P.BLOCK_M // 2, P.BLOCK_N]),
         "SCALE_A": torch.empty(m, 1), "SCALE_B": torch.empty(1), "BIAS": torch.empty(n, dtype=torch.bfloat16),
         "M": m, "N": n, "K": k, "stride_sam": 3, "stride_sak": 7, "stride_sbn": 0, "stride_sbk": 2, "stride_bias": 5}
-const = {"A_GROUP": 1 if a_rowwise else 0, "B_GROUP": 128 if a_rowwise else 0, "K_BLOCKED": a_rowwise,
-         "HAS_BIAS": has_bias, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M, "CONSUMER_REGS": P.CONSUMER_REGS,
+const = {"A_GROUP": a_group, "B_GROUP": b_group, "K_BLOCKED": k_blocked, "HAS_BIAS": k_blocked, "STAGES": P.STAGES, "GROUP_M": P.GROUP_M, "CONSUMER_REGS": P.CONSUMER_REGS,
          "PRODUCER_REGS": P.PRODUCER_REGS}
 got = compile_gluon(P.fp8_precise_kernel, args, const)
 print(json.dumps({"shared": got["shared"], "ptxas": got["ptxas"], "rc": got["ptxas_rc"]}))
 """
 
 
-@pytest.mark.parametrize("out_dtype,a_rowwise,has_bias", [("bfloat16", True, True), ("float32", False, False)])
-def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_rowwise, has_bias):
-    # (a_rowwise=True builds the block-scaled variant: 1x128 scales of a, 128x128 of b, applied per K step.)
+@pytest.mark.parametrize("out_dtype,a_group,b_group,k_blocked", [
+    ("float32", 0, 0, False), ("bfloat16", 1, 1, False),  # tensorwise, rowwise: scaled in the epilogue
+    ("bfloat16", 1, 128, True), ("float32", 1, 1, True), ("float32", 128, 1, True)])  # DeepSeek-V3's, 128x1
+def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_group, b_group, k_blocked):
     # The Gluon kernel cannot run in the interpreter: CI builds it for the H100 (Triton's compiler, then ptxas)
     # and checks what the design depends on: it fits in shared memory, no spills, and no C7514 (ptxas
     # serializing the MMAs because something reads an accumulator before its wait).
@@ -375,7 +376,7 @@ def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_rowwise, has_bias):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, out_dtype, str(int(a_rowwise)), str(int(has_bias))],
+    run = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, out_dtype, str(a_group), str(b_group), str(int(k_blocked))],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])

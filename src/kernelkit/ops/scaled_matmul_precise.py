@@ -38,8 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ._gemm import grouped_tile_gluon
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
-CONSUMER_REGS, PRODUCER_REGS = 232, 40  # registers per thread: consumer warpgroup (the default partition gets
-# what the kernel has left) and the producer warp
+CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 = 64,512 of an SM's
+# 65,536 (with 232 the 1x128-with-128x1 variant spilled; the producer only computes coordinates)
 STAGES = 5  # 32 KiB of a and b per stage (+ 32-64 KiB of C tiles: 5 fit in 227 KiB); on the H100 at 4096^3,
 # 3 / 4 / 5 stages gave 1097 / 1206 / 1239 TFLOP/s (benchmarks/results/h100/scaled_matmul/fp8_gluon_ws.json)
 GROUP_M = 8
@@ -59,6 +59,31 @@ def _scales(S, start, n, stride, GROUP: gl.constexpr, BLOCK: gl.constexpr, layou
         return gl.load(S + idx * stride, mask=idx < n, other=0.0)
     else:
         return gl.full((BLOCK,), 0.0, gl.float32, layout=layout) + gl.load(S + (start // GROUP) * stride)
+
+
+@gluon.jit
+def _scalar_scale(S, start, stride, GROUP: gl.constexpr):
+    """The one scale a tile's aligned rows (or columns) share, for GROUP 0 (whole tensor) or 128 (blocks)."""
+    if GROUP == 0:
+        return gl.load(S)
+    else:
+        return gl.load(S + (start // GROUP) * stride)
+
+
+@gluon.jit
+def _k_block_factors(SCALE_A, SCALE_B, kb, row0, col0, M, N, s_am, s_ak, s_bn, s_bk, A_GROUP: gl.constexpr,
+                     B_GROUP: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, row_layout: gl.constexpr,
+                     col_layout: gl.constexpr):
+    """K block kb's scales folded into what the promotion multiplies by: r (rows) and q (columns). A side
+    whose scale is one number for the tile folds into the other side's vector, so the promotion costs one
+    FMA per element (two only when both sides vary: 1x128 of a with 128x1 of b)."""
+    r = _scales(SCALE_A + kb * s_ak, row0, M, s_am, A_GROUP, HALF_M, row_layout)
+    q = _scales(SCALE_B + kb * s_bk, col0, N, s_bn, B_GROUP, BLOCK_N, col_layout)
+    if B_GROUP != 1:
+        r = r * _scalar_scale(SCALE_B + kb * s_bk, col0, s_bn, B_GROUP)
+    if A_GROUP != 1:
+        q = q * _scalar_scale(SCALE_A + kb * s_ak, row0, s_am, A_GROUP)
+    return r, q
 
 
 @gluon.jit
@@ -118,18 +143,34 @@ def _ws_consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, S
         row0 = pid_m * 2 * HALF_M + HALF * HALF_M
         col0 = pid_n * BLOCK_N
         acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
+        # K-blocked scales are loaded one step ahead, so their latency hides behind a wait and an MMA; not
+        # with per-column scales (128x1 of b), whose 32 values per thread a second copy would spill.
+        PREFETCH: gl.constexpr = K_BLOCKED and B_GROUP != 1
+        if PREFETCH:
+            r_next, q_next = _k_block_factors(SCALE_A, SCALE_B, 0, row0, col0, M, N, stride_sam, stride_sak,
+                                              stride_sbn, stride_sbk, A_GROUP, B_GROUP, HALF_M, BLOCK_N,
+                                              row_layout, col_layout)
         for ks in range(k_steps):
-            if K_BLOCKED:  # this K block's scales, loaded before the wait so their latency hides behind it
-                sa_k = _scales(SCALE_A + ks * stride_sak, row0, M, stride_sam, A_GROUP, HALF_M, row_layout)
-                sb_k = _scales(SCALE_B + ks * stride_sbk, col0, N, stride_sbn, B_GROUP, BLOCK_N, col_layout)
+            if PREFETCH:
+                r, q = r_next, q_next
+                r_next, q_next = _k_block_factors(SCALE_A, SCALE_B, gl.minimum(ks + 1, k_steps - 1), row0, col0,
+                                                  M, N, stride_sam, stride_sak, stride_sbn, stride_sbk, A_GROUP,
+                                                  B_GROUP, HALF_M, BLOCK_N, row_layout, col_layout)
+            elif K_BLOCKED:
+                r, q = _k_block_factors(SCALE_A, SCALE_B, ks, row0, col0, M, N, stride_sam, stride_sak, stride_sbn,
+                                        stride_sbk, A_GROUP, B_GROUP, HALF_M, BLOCK_N, row_layout, col_layout)
             slot = c % STAGES
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
             part = warpgroup_mma(a_bufs.index(2 * slot + HALF), b_bufs.index(slot).permute((1, 0)), zero,
                                  use_acc=False)
             mbarrier.arrive(empty.index(slot), count=1)
-            # The promotion, under the other warpgroup's MMA.
-            if K_BLOCKED:
-                acc = acc + part * gl.expand_dims(sa_k, 1) * gl.expand_dims(sb_k, 0)
+            # The promotion, under the other warpgroup's MMA: one FMA per element unless both sides vary.
+            if K_BLOCKED and A_GROUP == 1 and B_GROUP == 1:
+                acc = acc + part * gl.expand_dims(r, 1) * gl.expand_dims(q, 0)
+            elif K_BLOCKED and B_GROUP == 1:
+                acc = acc + part * gl.expand_dims(q, 0)
+            elif K_BLOCKED:
+                acc = acc + part * gl.expand_dims(r, 1)
             else:
                 acc = acc + part
             c += 1
