@@ -77,6 +77,24 @@ def main():
             except Exception as e:  # noqa: BLE001
                 rows.append({"what": "speed", "shape": [m, k, n], "impl": name, "error": str(e)[:300]})
             print(rows[-1], flush=True)
+    # Block scales through kernelkit.scaled_matmul (the Gluon kernel): which part of the per-K-tile scaling costs.
+    m, k, n = 8192, 4096, 14336
+    kb = k // 128
+    a, b, sa_t, sb_t = operands(m, k, n, False, gen)
+    out_ms = {}
+    scale_sets = {
+        "tensorwise": (sa_t, sb_t),
+        "1x128 (col-major) + 128x128": (torch.rand(kb, m, device="cuda").t() + 0.5, torch.rand(kb, n // 128, device="cuda") + 0.5),
+        "1x128 (row-major) + 128x128": (torch.rand(m, kb, device="cuda") + 0.5, torch.rand(kb, n // 128, device="cuda") + 0.5),
+        "128x128 + 128x128": (torch.rand(m // 128, kb, device="cuda") + 0.5, torch.rand(kb, n // 128, device="cuda") + 0.5),
+        "1x128 + 128x1": (torch.rand(kb, m, device="cuda").t() + 0.5, torch.rand(kb, n, device="cuda") + 0.5),
+    }
+    for name, (sa, sb) in scale_sets.items():
+        fn = lambda: S.scaled_matmul(a, b, sa, sb)  # noqa: E731
+        fn()
+        ms = do_bench(fn, rep=200, return_mode="median")
+        rows.append({"what": "block scales", "shape": [m, k, n], "impl": name, "tflops": 2 * m * n * k / ms / 1e9})
+        print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
