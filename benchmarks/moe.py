@@ -13,10 +13,13 @@ Rows per shape:
   gate-up GEMM alone (forward), FLOPs 2·T·k·H·2I:
     kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
                        allocated once outside the timing)
+    kernelkit_fp8      the same on e4m3 x and weights quantized per row beforehand, dequantized in the epilogue
+    torch._scaled_grouped_mm_fp8   torch's rowwise fp8 grouped GEMM on the pre-gathered rows
     torch._grouped_mm  the same GEMM on the pre-gathered x (the gather not timed), no epilogue (writes gate|up)
     dense mm           one torch.mm of the same FLOPs: (T·k, H) @ (H, 2I)
   whole layer, forward and forward+backward (all four inputs require grad), FLOPs 2·T·k·3·I·H (x3 with backward):
     kernelkit          kernelkit.moe
+    kernelkit_fp8      kernelkit.moe(..., precision="fp8"): quantization of x, both weights and h included
     grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
     per-expert loop    kernelkit.ops.moe.reference in bf16 (one torch.where and two F.linear per expert, HF-style)
 Each: triton.testing.do_bench median (L2 flushed before every run), TFLOP/s and % of the datasheet bf16 dense
@@ -131,7 +134,21 @@ def gate_up_rows(label, shape, args, rep, peak):
     measure(row, "torch._grouped_mm", lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]),
             flops, rep, peak)
     measure(row, "dense_mm", lambda: torch.mm(x_perm, dense_w), flops, rep, peak)
+    # precision="fp8": the same GEMM on e4m3 operands quantized per row beforehand (as weights kept in fp8 would
+    # be), gather and dequantization fused; torch._scaled_grouped_mm rowwise on the pre-gathered rows.
+    xq, xs = M.quantize_rows(x)
+    guq, gus = M.quantize_rows(gate_up)
+    M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
+    measure(row, "kernelkit_fp8", lambda: M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows,
+                                                          epilogue="swiglu", a_scale=xs, b_scale=gus), flops, rep, peak)
+    xq_perm, xs_perm = xq[rows], xs[rows]
+    measure(row, "torch._scaled_grouped_mm_fp8", lambda: torch._scaled_grouped_mm(
+        xq_perm, guq.transpose(1, 2), xs_perm, gus, offs=offs[1:], out_dtype=torch.bfloat16), flops, rep, peak)
     ratios(row, ("torch._grouped_mm", "dense_mm"))
+    if "ms" in row.get("kernelkit_fp8", {}):
+        for other in ("kernelkit", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8"):
+            if "ms" in row.get(other, {}):
+                row[f"kernelkit_fp8_x_{other}"] = row[other]["ms"] / row["kernelkit_fp8"]["ms"]
     return row
 
 
@@ -142,7 +159,8 @@ def layer_rows(label, shape, scoring, args, rep, peak):
     kw = {"scoring": scoring}
     leaves = [a.detach().requires_grad_() for a in (x, router, gate_up, down)]
     dy = torch.randn_like(x)
-    impls = {"kernelkit": kernelkit.moe, "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
+    impls = {"kernelkit": kernelkit.moe, "kernelkit_fp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8"),
+             "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
     fwd_flops = 2.0 * t * k * 3 * inter * hidden
     start = time.perf_counter()
     torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
@@ -170,18 +188,21 @@ def layer_rows(label, shape, scoring, args, rep, peak):
             except Exception as e:  # noqa: BLE001
                 row["max_rel_err_vs_grouped_mm_layer"] = f"{type(e).__name__}: {e}"[:200]
         ratios(row, ("grouped_mm_layer", "per_expert_loop"))
+        if "ms" in row.get("kernelkit_fp8", {}) and "ms" in row.get("kernelkit", {}):
+            row["kernelkit_fp8_x_kernelkit"] = row["kernelkit"]["ms"] / row["kernelkit_fp8"]["ms"]
         yield row
 
 
 def describe(row):
     parts = []
-    for name in ("kernelkit", "torch._grouped_mm", "dense_mm", "grouped_mm_layer", "per_expert_loop"):
+    for name in ("kernelkit", "kernelkit_fp8", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8", "dense_mm",
+                 "grouped_mm_layer", "per_expert_loop"):
         if name in row:
             r = row[name]
             gbps = f" {r['weight_gbps']:.0f} GB/s" if "weight_gbps" in r else ""
             parts.append(f"{name} " + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TF/s{gbps} {r['peak_mb']:.0f} MB"
                                        if "ms" in r else r["error"][:80]))
-    xs = [f"{k[len('kernelkit_x_'):]} {v:.2f}x" for k, v in row.items() if k.startswith("kernelkit_x_")]
+    xs = [f"{k[len('kernelkit_'):]} {v:.2f}x" for k, v in row.items() if k.startswith("kernelkit_") and "_x_" in k]
     return " | ".join(parts) + (" | kernelkit vs " + ", ".join(xs) if xs else "")
 
 

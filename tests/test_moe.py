@@ -240,7 +240,7 @@ def test_custom_op_path(device):
     assert out.device.type == "meta" and out.shape == (9, 16)
     leaves = [t.clone().requires_grad_() for t in (x, r, gu, d)]
     weights, experts = M.route(leaves[0], leaves[1], k)
-    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True)[0]
+    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True, False)[0]
     y.backward(torch.ones_like(y))
     refs = [t.double().requires_grad_() for t in (x, r, gu, d)]
     M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64, device=device))
@@ -332,3 +332,74 @@ def test_gpu_skewed_routing_and_no_sync():
         M.moe(*leaves).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# --- precision="fp8": rowwise-scaled float8_e4m3fn forward GEMMs ---
+
+def _dq(q, scale):
+    return q.double() * scale.double().unsqueeze(-1)
+
+
+def _fp8_reference(x, weights, experts, gate_up_weight, down_weight):
+    """float64 of the fp8 layer as specified: x and both weights quantized per row (quantize_rows), each
+    expert's h rounded to x's dtype and quantized per row, the down GEMM, the routing weights, the sum."""
+    xq, xs = M.quantize_rows(x)
+    guq, gus = M.quantize_rows(gate_up_weight)
+    dq, ds = M.quantize_rows(down_weight)
+    x64, gu64, d64 = _dq(xq, xs), _dq(guq, gus), _dq(dq, ds)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in range(gate_up_weight.shape[0]):
+        token, slot = torch.where(experts == e)
+        if token.numel():
+            gate, up = (x64[token] @ gu64[e].t()).chunk(2, dim=-1)
+            h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+            y = _dq(*M.quantize_rows(h)) @ d64[e].t()
+            out.index_add_(0, token, y * weights[token, slot].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 48, 40, 4, 2), (29, 32, 24, 3, 1)])
+def test_fp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device):
+    # Odd token counts, a top-1 and a top-2 routing, experts of several 16-row tiles; the output must be the
+    # quantized layer's (dequantization scales applied per token, per h row and per expert channel).
+    x, router, gu, down, k = _inputs(shape, dtype, device, seed=shape[0])
+    weights, experts = M.route(x, router, k)
+    want = _fp8_reference(x, weights, experts, gu, down)
+    got = M.moe_experts(x, weights, gu, down, experts, precision="fp8")
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    # bf16: h is rounded to bf16 before its quantization, so a 1-ulp difference in h (fp32 vs float64 sums)
+    # moves ~1/16 of h's elements to the neighbouring e4m3 value (2^-4 apart): ~1.5e-2 in norm. fp32: 1e-4.
+    assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), err
+    # ... and near the unquantized layer: e4m3 keeps 3 mantissa bits (2^-4 relative per element).
+    exact = M.reference(x.double(), router.double(), gu.double(), down.double(), k)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 8e-2
+
+
+def test_fp8_gradients_flow_through_the_saved_activations(device):
+    # The backward runs in x's dtype on the fp8 forward's saved h and pre-activations (straight-through): its
+    # gradients track the unquantized layer's within the quantization error.
+    args = _inputs((21, 32, 24, 4, 2), torch.float32, device, seed=3)
+    leaves = [a.detach().clone().requires_grad_() for a in args[:4]]
+    M.moe(*leaves, args[4], precision="fp8").square().sum().backward()
+    ref = [a.detach().double().requires_grad_() for a in args[:4]]
+    M.reference(*ref, args[4]).square().sum().backward()
+    for got, want in zip(leaves, ref):
+        assert torch.isfinite(got.grad).all()
+        assert ((got.grad.double() - want.grad).norm() / want.grad.norm()).item() < 0.15
+
+
+def test_fp8_quantize_rows_and_precision_errors(device):
+    t = torch.randn(5, 7, 40, device=device, dtype=torch.bfloat16) * 3
+    t[1, 2] = 0.0
+    q, s = M.quantize_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 7) and s.dtype == torch.float32
+    back = q.float() * s[..., None]
+    assert (back[1, 2] == 0).all() and q.float().abs().amax() <= 448
+    assert ((back - t.float()).abs() <= t.float().abs() * 2 ** -4 + s[..., None] * 2 ** -9).all()
+    args = _inputs((5, 16, 12, 2, 1), torch.bfloat16, device)
+    with pytest.raises(ValueError, match="precision must be one of 'bf16', 'fp8'.*MXFP8"):
+        M.moe(*args, precision="mxfp8")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        M.MoE(16, 12, 2, 1, precision="int8")

@@ -35,6 +35,19 @@ from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_g
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
+PRECISIONS = ("bf16", "fp8")
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) with t ~= q * scale[..., None]: float8_e4m3fn per row of the last dim, the row's amax mapped
+    to 448. The scale is rounded to t's dtype before dividing (no fp32 copy of a large weight), and the fp32
+    value of that rounded scale is returned, so quantization and dequantization use the same number. A zero row
+    gets the smallest normal scale (its q is zero); NaN spreads to its row as in torch."""
+    amax = t.abs().amax(-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(t.dtype).tiny).to(t.dtype)
+    q = (t / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float().squeeze(-1).contiguous()
 
 
 def _gemm_configs() -> list:
@@ -44,7 +57,8 @@ def _gemm_configs() -> list:
     cfgs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8}, num_stages=2, num_warps=4)]
     for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
                                       (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
-                                      (64, 256, 64, 3, 8), (32, 128, 64, 4, 4), (16, 128, 128, 4, 4)):
+                                      (64, 256, 64, 3, 8), (32, 128, 64, 4, 4), (16, 128, 128, 4, 4),
+                                      (128, 128, 128, 3, 8), (64, 128, 128, 4, 4)):
         cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                                   num_stages=stages, num_warps=warps))
     return cfgs
@@ -88,7 +102,7 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     return e, row0, row_end
 
 
-@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA"],
+@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "FP8"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["ROWDOT"])
 @triton.jit
 def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
@@ -97,10 +111,11 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                             Z, stride_zm, stride_zn,  # gate | up pre-activations (rows, 2N)
                             SCALE,  # routing weight per row (HAS_SCALE)
                             ROWDOT, stride_rm,  # swiglu_bwd: (rows, N tiles) partial sums of dh * h
+                            A_SCALE, B_SCALE, stride_bse,  # FP8: A's row scales (by A row), B's (E, N') column scales
                             OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
                             EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
                             HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                            B_TMA: tl.constexpr,
+                            B_TMA: tl.constexpr, FP8: tl.constexpr,
                             E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
     """C[r] = epilogue(A[r] @ W[e(r)]) for the rows r of every expert. EPILOGUE "none" (times the row's routing
@@ -165,6 +180,12 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                                        k_ok[:, None] & n_ok[None, :], EPILOGUE == "swiglu", INTERPRETER_DOT,
                                        INPUT_PRECISION)
 
+    if FP8:  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
+        sa = tl.load(A_SCALE + a_rows, mask=m_ok, other=0.0)[:, None]
+        b_scales = B_SCALE + e.to(tl.int64) * stride_bse + rn64
+        acc = acc * sa * tl.load(b_scales, mask=n_ok, other=0.0)[None, :]
+        if EPILOGUE == "swiglu":
+            acc_up = acc_up * sa * tl.load(b_scales + N, mask=n_ok, other=0.0)[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     c_cols = rn64[None, :] * stride_cn
     z_ptrs = Z + rows64[:, None] * stride_zm + rn64[None, :] * stride_zn
@@ -252,9 +273,11 @@ _ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.confi
 
 
 def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
-                  epilogue="none", precision=None):
+                  epilogue="none", precision=None, a_scale=None, b_scale=None):
     """c = epilogue(a[rows] @ weight[e]) for the expert groups `offs`; weight is an (E, K, N') view (N' = 2n
-    for swiglu) read through its strides."""
+    for swiglu) read through its strides. fp8 a and weight take a_scale (one per row of a, as a_idx indexes
+    it) and b_scale (E, N'), contiguous along N'."""
+    fp8 = a_scale is not None
     rows, e, k = c.shape[0] if c_idx is None else c_idx.shape[0], weight.shape[0], weight.shape[1]
     zz = z if z is not None else c
     # Not a borrowed argument: the autotuner zeroes ROWDOT around its timing runs (reset_to_zero).
@@ -266,17 +289,18 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
            ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma),
+            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, fp8),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
            zz, zz.stride(0), zz.stride(-1),
            scale if scale is not None else c,
            rd, rd.stride(0),
+           a_scale if fp8 else rd, b_scale if fp8 else rd, b_scale.stride(0) if fp8 else 0,
            offs, rows, n, k, e, bucket,
            EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=precision, B_TMA=b_tma,
-           E_P2=max(16, next_pow2(e)))
+           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if fp8 else precision, B_TMA=b_tma,
+           FP8=fp8, E_P2=max(16, next_pow2(e)))
 
 
 # The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
@@ -286,7 +310,7 @@ B_TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
 
 def _b_tma(weight: torch.Tensor) -> bool:
     """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
-    if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16) or weight.stride(1) != 1:
+    if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
         return False
     if weight.is_cuda:
         if torch.cuda.get_device_capability(weight.device)[0] < 9:
@@ -332,9 +356,12 @@ def _sum_slots(y: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
     return y if k == 1 else y.view(tokens, k, y.shape[1]).sum(1, dtype=torch.float32).to(y.dtype)
 
 
-def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32: bool = False, save: bool = False):
+def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32: bool = False, save: bool = False,
+                    fp8: bool = False):
     """The expert part: x (T, H), weights (T, k) fp32 routing weights, experts (T, k) int64 expert ids.
-    Returns (out (T, H), h (T*k, I), z (T*k, 2I) pre-activations or empty unless `save`, order, offs)."""
+    Returns (out (T, H), h (T*k, I), z (T*k, 2I) pre-activations or empty unless `save`, order, offs).
+    fp8: both GEMMs on float8_e4m3fn operands with rowwise scales (tokens and h rows; each expert's output
+    channels), dequantized in the epilogues; h and z stay in x's dtype."""
     t, hidden = x.shape
     k = experts.shape[1]
     n_exp, inter = gate_up_weight.shape[0], gate_up_weight.shape[1] // 2
@@ -352,6 +379,17 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
+    if fp8:
+        # Quantized per call (torch ops: amax, divide, cast): one pass over x, the weights and h. The GEMMs run
+        # on the tensor cores' fp8 path with Triton's default (fast) accumulation.
+        xq, xs = quantize_rows(x)
+        guq, gus = quantize_rows(gate_up_weight)
+        dq, ds = quantize_rows(down_weight)
+        _grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
+                      epilogue="swiglu", a_scale=xs, b_scale=gus)
+        hq, hs = quantize_rows(h)
+        _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds)
+        return _sum_slots(y, t, k), h, z, order, offs
     _grouped_gemm(x, gate_up_weight.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
                   epilogue="swiglu", precision=precision)
     _grouped_gemm(h, down_weight.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, precision=precision)
@@ -402,13 +440,13 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
 
 @torch.library.custom_op("kernelkit::moe_experts", mutates_args=())
 def _moe_experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                    experts: torch.Tensor, allow_tf32: bool, save: bool
+                    experts: torch.Tensor, allow_tf32: bool, save: bool, fp8: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save)
+    return moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8)
 
 
 @_moe_experts_op.register_fake
-def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save):
+def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8):
     rows, i2 = experts.numel(), gate_up_weight.shape[1]
     return (x.new_empty(x.shape), x.new_empty((rows, i2 // 2)), x.new_empty((rows, i2) if save else (0,)),
             experts.new_empty((rows,), dtype=torch.int64),
@@ -430,7 +468,7 @@ def _(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf
 
 
 def _setup_context(ctx, inputs, output):
-    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save = inputs
+    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _fp8 = inputs
     _out, h, z, order, offs = output
     ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs)
     ctx.allow_tf32 = allow_tf32
@@ -438,7 +476,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, *_saved_grads):
     grads = _moe_experts_bwd_op(dout, *ctx.saved_tensors, ctx.allow_tf32)
-    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None, None)
 
 
 _moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
@@ -453,8 +491,9 @@ class _MoEExpertsFunction(torch.autograd.Function):
     """The eager path: the same launchers as the custom op with less per-call host overhead."""
 
     @staticmethod
-    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save):
-        out, h, z, order, offs = moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, True)
+    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8):
+        out, h, z, order, offs = moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, True,
+                                                 fp8)
         ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs, experts)
         ctx.allow_tf32 = allow_tf32
         return out
@@ -464,7 +503,7 @@ class _MoEExpertsFunction(torch.autograd.Function):
     def backward(ctx, dout):
         *saved, _experts = ctx.saved_tensors
         grads = moe_experts_bwd(dout, *saved, ctx.allow_tf32, ctx.needs_input_grad[:4])
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",
@@ -528,7 +567,7 @@ def _first(out):
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-        top_k: int, *, scoring: str = "softmax", renormalize: bool = True) -> torch.Tensor:
+        top_k: int, *, scoring: str = "softmax", renormalize: bool = True, precision: str = "bf16") -> torch.Tensor:
     """A mixture-of-experts SwiGLU MLP: ``sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``.
 
     x: (..., hidden); router_weight: (experts, hidden); gate_up_weight: (experts, 2 * intermediate, hidden), gate
@@ -542,27 +581,44 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     the loads, SwiGLU and the routing weight fused into the epilogues, fp32 accumulation), with no host sync.
     Differentiable in x, router_weight (through the routing weights; the top-k choice is not differentiable),
     gate_up_weight and down_weight; the backward saves the gate/up pre-activations instead of recomputing them.
+
+    precision: "bf16" (the default: the GEMMs run in x's dtype, whatever it is) or "fp8": the two forward GEMMs
+    on float8_e4m3fn with rowwise scales (per token, per row of h, per expert output channel; see
+    `quantize_rows`), dequantized in their epilogues; the backward GEMMs run in x's dtype on the saved h and
+    gate/up pre-activations (a straight-through estimator of the quantization). "mxfp8" is not built yet.
     """
     _n_exp, _inter = _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize)
+    _check_precision(precision, x)
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
     weights, experts = route(x2, router_weight, top_k, scoring, renormalize)
-    return moe_experts(x2, weights, gate_up_weight, down_weight, experts).view(x.shape)
+    return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision).view(x.shape)
+
+
+def _check_precision(precision, x: torch.Tensor) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
+                         + (" (MXFP8 experts are not built yet)" if precision == "mxfp8" else ""))
+    if precision == "fp8" and x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise TypeError(f"precision='fp8' needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
+                        f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                experts: torch.Tensor) -> torch.Tensor:
+                experts: torch.Tensor, *, precision: str = "bf16") -> torch.Tensor:
     """The expert part of `moe` for a routing computed elsewhere (a Hugging Face router, say):
     ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = experts[t, j].
 
     x (T, hidden); weights (T, k), any float dtype (multiplied in fp32); experts (T, k) integer ids in
     [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight (E, hidden, intermediate).
     Differentiable in x, weights, gate_up_weight and down_weight. Not validated here (the caller checked the
-    layouts once): `moe` validates its arguments, then routes and calls this."""
+    layouts once): `moe` validates its arguments, then routes and calls this. precision as `moe`'s."""
+    _check_precision(precision, x)
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and x.dtype == torch.float32
     save = wants_grad(x, weights, gate_up_weight, down_weight)
     return dispatch(_moe_experts_op, moe_experts_fwd, _MoEExpertsFunction, 4,
-                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save), pick=_first)
+                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision == "fp8"),
+                    pick=_first)
 
 
 class MoE(torch.nn.Module):
@@ -572,8 +628,11 @@ class MoE(torch.nn.Module):
     nn.Linear would each expert. Documented fallback: a CPU tensor outside the Triton interpreter runs `reference`."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, scoring: str = "softmax",
-                 renormalize: bool = True, device=None, dtype=None):
+                 renormalize: bool = True, device=None, dtype=None, precision: str = "bf16"):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+        self.precision = precision
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
         if not 1 <= top_k <= experts:
@@ -599,7 +658,7 @@ class MoE(torch.nn.Module):
         kw = {"scoring": self.scoring, "renormalize": self.renormalize}
         if x.device.type != "cuda" and not interpreting():
             return reference(*args, **kw)
-        return moe(*args, **kw)
+        return moe(*args, **kw, precision=self.precision)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, experts={self.num_experts}, "
