@@ -65,8 +65,12 @@ def _gemm_configs() -> list:
 
 
 def _prune_gemm(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    # An fp8 tl.dot needs K >= 32 per step on the GPU (the interpreter's 16-wide tile is the interpreter's only).
+    if args.get("FP8") and not interpreting():
+        configs = [c for c in configs if c.kwargs["BLOCK_K"] >= 32]
     # The SwiGLU epilogues keep two fp32 accumulators (gate and up): 128x256 of each spills registers.
-    if kwargs.get("EPILOGUE", named_args.get("EPILOGUE")) == "swiglu":
+    if args.get("EPILOGUE") == "swiglu":
         return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return configs
 
