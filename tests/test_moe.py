@@ -370,8 +370,9 @@ def test_fp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device
     assert got.dtype == dtype and torch.isfinite(got).all()
     err = ((got.double() - want).norm() / want.norm()).item()
     # bf16: h is rounded to bf16 before its quantization, so a 1-ulp difference in h (fp32 vs float64 sums)
-    # moves ~1/16 of h's elements to the neighbouring e4m3 value (2^-4 apart): ~1.5e-2 in norm. fp32: 1e-4.
-    assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), err
+    # moves ~1/16 of h's elements to the neighbouring e4m3 value (2^-4 apart): ~1.5e-2 in norm. fp32: exact
+    # sums in the interpreter; on the GPU the fp8 MMAs sum in ~14 bits (fast accumulation, 1.5-2.9e-3 seen).
+    assert err < (3e-2 if dtype == torch.bfloat16 else 5e-3 if device == "cuda" else 1e-4), err
     # ... and near the unquantized layer: e4m3 keeps 3 mantissa bits (2^-4 relative per element).
     exact = M.reference(x.double(), router.double(), gu.double(), down.double(), k)
     assert ((got.double() - exact).norm() / exact.norm()).item() < 8e-2
@@ -393,7 +394,7 @@ def test_fp8_gradients_flow_through_the_saved_activations(device):
 def test_fp8_quantize_rows_and_precision_errors(device):
     t = torch.randn(5, 7, 40, device=device, dtype=torch.bfloat16) * 3
     t[1, 2] = 0.0
-    q, s = M.quantize_rows(t)
+    q, s = M.quantize_rows_reference(t)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 7) and s.dtype == torch.float32
     back = q.float() * s[..., None]
     assert (back[1, 2] == 0).all() and q.float().abs().amax() <= 448
@@ -403,3 +404,34 @@ def test_fp8_quantize_rows_and_precision_errors(device):
         M.moe(*args, precision="mxfp8")
     with pytest.raises(ValueError, match="precision must be one of"):
         M.MoE(16, 12, 2, 1, precision="int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (37, 4111), (2, 9000), (1, 1)])
+def test_quantize_rows_kernel_matches_its_definition(shape, dtype):
+    # The Triton kernel (GPU only: the interpreter's fp8 casts truncate) against quantize_rows_reference, bit
+    # for bit: rows longer than one 4096-wide block, a zero row, a NaN row, a strided input.
+    t = (torch.randn(shape, device="cuda") * 30).to(dtype)
+    t.view(-1, shape[-1])[0] = 0
+    if t.view(-1, shape[-1]).shape[0] > 1:
+        t.view(-1, shape[-1])[-1, shape[-1] // 2] = float("nan")
+    for x in (t, t.transpose(0, -1).contiguous().transpose(0, -1)):
+        q, s = M.quantize_rows(x)
+        qr, sr = M.quantize_rows_reference(x)
+        assert q.shape == x.shape and s.shape == x.shape[:-1]
+        torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(q.view(torch.uint8)[~torch.isnan(q.float())], qr.view(torch.uint8)[~torch.isnan(qr.float())])
+        assert torch.equal(torch.isnan(q.float()), torch.isnan(qr.float()))
+
+
+def test_quantize_rows_kernel_compiles_for_sm90():
+    # It never runs in the interpreter (see above): CI builds it for the H100 instead.
+    from kernelkit.testing import compile_check
+
+    records = [{"kernel": "kernelkit.ops.moe:quantize_rows_kernel",
+                "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
+                         "N": {"value": 4111, "type": "i32"}, "stride_x": {"value": 4111, "type": "i32"},
+                         "stride_q": {"value": 4111, "type": "i32"}, "BLOCK_N": {"value": 4096}},
+                "options": {"num_warps": 8}} for dt in ("bf16", "fp32")]
+    assert not compile_check.compile_in_subprocess(records)
