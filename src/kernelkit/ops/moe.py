@@ -59,7 +59,8 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, BLOCK_N: tl.constexpr):
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # NaN spreads to the row
     amax = tl.reduce(amax, 0, _max_nan)
-    scale = tl.maximum(amax / FP8_MAX_TL, TINY_TL).to(X.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(amax / FP8_MAX_TL, TINY_TL, propagate_nan=tl.PropagateNan.ALL)
+    scale = scale.to(X.dtype.element_ty).to(tl.float32)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
