@@ -394,6 +394,7 @@ def test_fp8_gradients_flow_through_the_saved_activations(device):
 def test_fp8_quantize_rows_and_precision_errors(device):
     t = torch.randn(5, 7, 40, device=device, dtype=torch.bfloat16) * 3
     t[1, 2] = 0.0
+    assert (M.quantize_rows_reference(t[1:2, 2:3].half())[0].float() == 0).all()  # fp16: a normal scale, not 0/0
     q, s = M.quantize_rows_reference(t)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 7) and s.dtype == torch.float32
     back = q.float() * s[..., None]
@@ -432,6 +433,7 @@ def test_quantize_rows_kernel_compiles_for_sm90():
     records = [{"kernel": "kernelkit.ops.moe:quantize_rows_kernel",
                 "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
                          "N": {"value": 4111, "type": "i32"}, "stride_x": {"value": 4111, "type": "i32"},
-                         "stride_q": {"value": 4111, "type": "i32"}, "BLOCK_N": {"value": 4096}},
+                         "stride_q": {"value": 4111, "type": "i32"}, "tiny": {"value": 1e-38, "type": "fp32"},
+                         "BLOCK_N": {"value": 4096}},
                 "options": {"num_warps": 8}} for dt in ("bf16", "fp32")]
     assert not compile_check.compile_in_subprocess(records)
