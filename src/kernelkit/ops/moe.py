@@ -63,7 +63,7 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.const
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        q = tl.clamp(v / scale, -FP8_MAX_TL, FP8_MAX_TL)
+        q = tl.clamp(v / scale, -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
         tl.store(Q + row * stride_q + cols, q.to(tl.float8e4nv), mask=cols < N)
     tl.store(S + row, scale)
 
