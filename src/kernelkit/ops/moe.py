@@ -535,7 +535,7 @@ _moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _double_backward(ctx, dout):
     x, weights, gate_up_weight, down_weight, *_rest, experts = ctx.saved_tensors
-    return reference_vjp(experts_reference, (x, weights, gate_up_weight, down_weight, experts), (dout,), 7)
+    return reference_vjp(experts_reference, (x, weights, gate_up_weight, down_weight, experts), (dout,), 8)
 
 
 class _MoEExpertsFunction(torch.autograd.Function):
