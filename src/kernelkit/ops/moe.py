@@ -113,9 +113,6 @@ def _gemm_configs() -> list:
 
 def _prune_gemm(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    # An fp8 tl.dot needs K >= 32 per step on the GPU (the interpreter's 16-wide tile is the interpreter's only).
-    if args.get("FP8") and not interpreting():
-        configs = [c for c in configs if c.kwargs["BLOCK_K"] >= 32]
     # The SwiGLU epilogues keep two fp32 accumulators (gate and up): 128x256 of each spills registers.
     if args.get("EPILOGUE") == "swiglu":
         return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
@@ -173,6 +170,9 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     weight with HAS_SCALE); "swiglu": silu(gate) * up of the (K, 2N) weight's two halves, storing the
     pre-activations in Z with STORE_Z; "swiglu_bwd": A @ W is dh/w, Z holds (gate, up): stores d(gate, up) of
     h = silu(gate) * up at dh = w * (A @ W) and this tile's share of the routing weight's gradient <A @ W, h>."""
+    # An fp8 tl.dot takes K >= 32 a step: the interpreter's 16-wide config steps by 32 there (as it does when
+    # CI compiles the interpreter's launches for sm_90).
+    BK: tl.constexpr = 32 if FP8 and BLOCK_K < 32 else BLOCK_K
     pid = tl.program_id(0)
     # The grid covers an upper bound of row tiles known on the host without reading the counts: every expert
     # adds at most one partial tile to cdiv(ROWS, BLOCK_M). Programs past the real tiles exit at once.
@@ -198,7 +198,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     w = B + e.to(tl.int64) * stride_be
     b_ptrs = w + rn64[None, :] * stride_bn
     b_up = w + (rn64 + N)[None, :] * stride_bn  # the up half; the compiler drops it unless EPILOGUE is swiglu
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if B_TMA:
@@ -208,20 +208,20 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
         # boxes past an expert's rows or K read zeros. The gathered A rows stay pointer loads.
         NT = 2 * N if EPILOGUE == "swiglu" else N
         b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
-                                           block_shape=[1, BLOCK_N, BLOCK_K])
-    for k0 in range(0, K, BLOCK_K):
+                                           block_shape=[1, BLOCK_N, BK])
+    for k0 in range(0, K, BK):
         kk = k0 + rk
         k_ok = kk < K
         kk64 = kk.to(tl.int64)
         a = tl.load(a_ptrs + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if B_TMA:
-            b = tl.trans(b_desc.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K))
+            b = tl.trans(b_desc.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BK))
             if INTERPRETER_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if EPILOGUE == "swiglu":  # gate columns past N read up rows here: never stored (n_ok)
-                u = tl.trans(b_desc.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K))
+                u = tl.trans(b_desc.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BK))
                 if INTERPRETER_DOT:
                     u = u.to(tl.float32)
                 acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
@@ -744,6 +744,39 @@ def reference(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="
     return experts_reference(x2, weights, gate_up_weight, down_weight, experts).reshape(x.shape)
 
 
+def reference_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+    """`moe(..., precision="fp8")` in plain PyTorch: the router as `reference`'s (on x unquantized); x and the
+    expert weights quantized per row (`quantize_rows_reference`) and the experts computed in float64 on their
+    dequantized values, each expert's h rounded to x's dtype and quantized per row before the down projection.
+    Output in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    logits = x2.float() @ router_weight.float().T
+    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+
+    def dequantized(t):
+        q, scale = quantize_rows_reference(t)
+        return q.double() * scale.double().unsqueeze(-1)
+
+    xd, gud, dd = dequantized(x2), dequantized(gate_up_weight), dequantized(down_weight)
+    out = torch.zeros(x2.shape, dtype=torch.float64, device=x.device)
+    for e in range(gate_up_weight.shape[0]):
+        token, slot = torch.where(experts == e)
+        if token.numel():
+            gate, up = (xd[token] @ gud[e].T).chunk(2, dim=-1)
+            h = (F.silu(gate) * up).to(x.dtype)
+            out.index_add_(0, token, (dequantized(h) @ dd[e].T) * weights[token, slot].double()[:, None])
+    return out.to(x.dtype).reshape(x.shape)
+
+
+def moe_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+    """`moe(..., precision="fp8")` (the registry's entry for `kernelkit check moe_fp8` / `bench moe_fp8`)."""
+    return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
+               precision="fp8")
+
+
 def cost(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True,
          backward: bool = False) -> Cost:
     """The expert GEMMs: 2·T·k·(2·I·H + I·H) FLOPs forward, twice that backward (dgrad and wgrad of each); the
@@ -814,3 +847,19 @@ register(OpSpec(
     tolerances={"bfloat16": 2e-2, "float16": 1e-2},
     doc="MoE SwiGLU MLP: torch router (softmax/sigmoid top-k), grouped-GEMM experts, forward+backward.",
 ))
+
+register(OpSpec(
+    name="moe_fp8", fn=moe_fp8, reference=reference_fp8, cost=cost, make_inputs=make_inputs,
+    # Forward only: the backward is `moe`'s (x's dtype, on the saved activations), checked under "moe".
+    test_shapes=[(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (9, 32, 16, 8, 8)],
+    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
+                  (8192, 7168, 2048, 256, 8)],
+    generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 16, 12, 4, 2),
+    # Against the quantized layer in float64: h is rounded to x's dtype before its quantization, so where the
+    # kernel's fp32 sums and the float64 ones round h differently, elements land on the neighbouring e4m3 value
+    # (2^-4 apart): ~1/16 of them in bf16 (1.5e-2 measured), ~1/128 in fp16. fp32: the GPU's fp8 MMAs sum in
+    # ~14 bits (fast accumulation: 1.5-2.9e-3 measured on the H100).
+    tolerances={"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2},
+    doc="MoE layer with fp8 (e4m3, rowwise scales) forward GEMMs, against the quantized layer in float64.",
+))
+
