@@ -63,7 +63,9 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.const
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        q = tl.clamp(v / scale, -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        # div_rn: torch's IEEE division (Triton's default fp32 divide is approximate and moved values across
+        # e4m3 rounding boundaries: the bit-exact GPU test caught it at fp16, 37 x 4111).
+        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
         tl.store(Q + row * stride_q + cols, q.to(tl.float8e4nv), mask=cols < N)
     tl.store(S + row, scale)
 
@@ -857,9 +859,10 @@ register(OpSpec(
     generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 16, 12, 4, 2),
     # Against the quantized layer in float64: h is rounded to x's dtype before its quantization, so where the
     # kernel's fp32 sums and the float64 ones round h differently, elements land on the neighbouring e4m3 value
-    # (2^-4 apart): ~1/16 of them in bf16 (1.5e-2 measured), ~1/128 in fp16. fp32: the GPU's fp8 MMAs sum in
-    # ~14 bits (fast accumulation: 1.5-2.9e-3 measured on the H100).
-    tolerances={"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2},
+    # (2^-4 apart), more often in bf16 than in fp16; on the GPU the fp8 MMAs also sum in ~14 bits (fast
+    # accumulation), which moves h further. `kernelkit check moe_fp8` on the H100 measured up to 3.8e-2 (bf16)
+    # and 2.2e-2 (fp16); fp32 1.5-2.9e-3 in the tests. A wrong scale, expert or routing weight is off by O(1).
+    tolerances={"float32": 5e-3, "bfloat16": 6e-2, "float16": 4e-2},
     doc="MoE layer with fp8 (e4m3, rowwise scales) forward GEMMs, against the quantized layer in float64.",
 ))
 
