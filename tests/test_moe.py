@@ -11,6 +11,7 @@ import torch
 
 import kernelkit
 from kernelkit.ops import moe as M
+from kernelkit.ops.moe_fp8 import reference_fp8
 from kernelkit.ops import registry
 from kernelkit.testing import check, check_spec, poisoned_outputs
 
@@ -336,28 +337,6 @@ def test_gpu_skewed_routing_and_no_sync():
 
 # --- precision="fp8": rowwise-scaled float8_e4m3fn forward GEMMs ---
 
-def _dq(q, scale):
-    return q.double() * scale.double().unsqueeze(-1)
-
-
-def _fp8_reference(x, weights, experts, gate_up_weight, down_weight):
-    """float64 of the fp8 layer as specified: x and both weights quantized per row (quantize_rows), each
-    expert's h rounded to x's dtype and quantized per row, the down GEMM, the routing weights, the sum."""
-    xq, xs = M.quantize_rows(x)
-    guq, gus = M.quantize_rows(gate_up_weight)
-    dq, ds = M.quantize_rows(down_weight)
-    x64, gu64, d64 = _dq(xq, xs), _dq(guq, gus), _dq(dq, ds)
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for e in range(gate_up_weight.shape[0]):
-        token, slot = torch.where(experts == e)
-        if token.numel():
-            gate, up = (x64[token] @ gu64[e].t()).chunk(2, dim=-1)
-            h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-            y = _dq(*M.quantize_rows(h)) @ d64[e].t()
-            out.index_add_(0, token, y * weights[token, slot].double()[:, None])
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(37, 48, 40, 4, 2), (29, 32, 24, 3, 1)])
 def test_fp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device):
@@ -365,7 +344,7 @@ def test_fp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device
     # quantized layer's (dequantization scales applied per token, per h row and per expert channel).
     x, router, gu, down, k = _inputs(shape, dtype, device, seed=shape[0])
     weights, experts = M.route(x, router, k)
-    want = _fp8_reference(x, weights, experts, gu, down)
+    want = reference_fp8(x, router, gu, down, k).double()
     got = M.moe_experts(x, weights, gu, down, experts, precision="fp8")
     assert got.dtype == dtype and torch.isfinite(got).all()
     err = ((got.double() - want).norm() / want.norm()).item()
@@ -430,7 +409,7 @@ def test_quantize_rows_kernel_compiles_for_sm90():
     # It never runs in the interpreter (see above): CI builds it for the H100 instead.
     from kernelkit.testing import compile_check
 
-    records = [{"kernel": "kernelkit.ops.moe:quantize_rows_kernel",
+    records = [{"kernel": "kernelkit.ops._fp8:quantize_rows_kernel",
                 "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
                          "N": {"value": 4111, "type": "i32"}, "stride_x": {"value": 4111, "type": "i32"},
                          "stride_q": {"value": 4111, "type": "i32"}, "tiny": {"value": 1e-38, "type": "fp32"},

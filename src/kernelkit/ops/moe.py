@@ -30,75 +30,13 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from . import _validate
+from ._fp8 import quantize_rows, quantize_rows_reference  # noqa: F401 (quantize_rows_reference: re-exported)
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
 PRECISIONS = ("bf16", "fp8")
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-FP8_MAX_TL = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.constexpr):
-    """One row per program: its amax (first pass), then q = clamp(x / scale, +-448) as e4m3 (second pass),
-    scale = amax / 448 rounded to x's dtype. One read for the amax and one read and write for q: what the
-    torch-ops version did in five passes and three full-size temporaries (29.9 GB at DeepSeek-V3's experts)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # NaN spreads to the row
-    amax = tl.reduce(amax, 0, _max_nan)
-    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
-    scale = scale.to(X.dtype.element_ty).to(tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        # div_rn: torch's IEEE division (Triton's default fp32 divide is approximate and moved values across
-        # e4m3 rounding boundaries: the bit-exact GPU test caught it at fp16, 37 x 4111).
-        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(Q + row * stride_q + cols, q.to(tl.float8e4nv), mask=cols < N)
-    tl.store(S + row, scale)
-
-
-
-def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows in torch ops, in fp32 (the definition; the interpreter's fp8 casts truncate, so CPU and
-    interpreter calls take this path)."""
-    amax = t.abs().amax(-1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp_min(torch.finfo(t.dtype).tiny).to(t.dtype).float()
-    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.squeeze(-1).contiguous()
-
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale) with t ~= q * scale[..., None]: float8_e4m3fn per row of the last dim, the row's amax mapped
-    to 448 (scale = amax / 448, rounded to t's dtype so the dequantization multiplies by exactly the number the
-    quantization divided by). An all-zero row gets the dtype's smallest normal as its scale and q = 0; NaN
-    spreads to its row as in torch.
-    On a GPU one Triton kernel (two passes over each row); elsewhere `quantize_rows_reference`."""
-    if not t.is_cuda or t.numel() == 0:
-        return quantize_rows_reference(t)
-    n = t.shape[-1]
-    x = t.reshape(-1, n) if t.stride(-1) == 1 else t.contiguous().reshape(-1, n)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=t.device)
-    scale = torch.empty(x.shape[0], dtype=torch.float32, device=t.device)
-    block = min(next_pow2(n), 4096)
-    quantize_rows_kernel[(x.shape[0],)](x, q, scale, n, x.stride(0), q.stride(0), torch.finfo(t.dtype).tiny,
-                                        BLOCK_N=block,
-                                        num_warps=8 if block >= 2048 else 4)
-    return q.view(t.shape), scale.view(t.shape[:-1])
-
-
 def _gemm_configs() -> list:
     # The first config is the interpreter's: 16-row tiles split the test shapes' experts (5-20 rows each) into
     # several tiles with ragged tails. The rest are Hopper GEMM tiles as in linear.py, plus 16/32-row tiles for
@@ -746,39 +684,6 @@ def reference(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="
     return experts_reference(x2, weights, gate_up_weight, down_weight, experts).reshape(x.shape)
 
 
-def reference_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
-    """`moe(..., precision="fp8")` in plain PyTorch: the router as `reference`'s (on x unquantized); x and the
-    expert weights quantized per row (`quantize_rows_reference`) and the experts computed in float64 on their
-    dequantized values, each expert's h rounded to x's dtype and quantized per row before the down projection.
-    Output in x's dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    logits = x2.float() @ router_weight.float().T
-    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-
-    def dequantized(t):
-        q, scale = quantize_rows_reference(t)
-        return q.double() * scale.double().unsqueeze(-1)
-
-    xd, gud, dd = dequantized(x2), dequantized(gate_up_weight), dequantized(down_weight)
-    out = torch.zeros(x2.shape, dtype=torch.float64, device=x.device)
-    for e in range(gate_up_weight.shape[0]):
-        token, slot = torch.where(experts == e)
-        if token.numel():
-            gate, up = (xd[token] @ gud[e].T).chunk(2, dim=-1)
-            h = (F.silu(gate) * up).to(x.dtype)
-            out.index_add_(0, token, (dequantized(h) @ dd[e].T) * weights[token, slot].double()[:, None])
-    return out.to(x.dtype).reshape(x.shape)
-
-
-def moe_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
-    """`moe(..., precision="fp8")` (the registry's entry for `kernelkit check moe_fp8` / `bench moe_fp8`)."""
-    return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
-               precision="fp8")
-
-
 def cost(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True,
          backward: bool = False) -> Cost:
     """The expert GEMMs: 2·T·k·(2·I·H + I·H) FLOPs forward, twice that backward (dgrad and wgrad of each); the
@@ -849,20 +754,3 @@ register(OpSpec(
     tolerances={"bfloat16": 2e-2, "float16": 1e-2},
     doc="MoE SwiGLU MLP: torch router (softmax/sigmoid top-k), grouped-GEMM experts, forward+backward.",
 ))
-
-register(OpSpec(
-    name="moe_fp8", fn=moe_fp8, reference=reference_fp8, cost=cost, make_inputs=make_inputs,
-    # Forward only: the backward is `moe`'s (x's dtype, on the saved activations), checked under "moe".
-    test_shapes=[(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (9, 32, 16, 8, 8)],
-    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
-                  (8192, 7168, 2048, 256, 8)],
-    generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 16, 12, 4, 2),
-    # Against the quantized layer in float64: h is rounded to x's dtype before its quantization, so where the
-    # kernel's fp32 sums and the float64 ones round h differently, elements land on the neighbouring e4m3 value
-    # (2^-4 apart), more often in bf16 than in fp16; on the GPU the fp8 MMAs also sum in ~14 bits (fast
-    # accumulation), which moves h further. `kernelkit check moe_fp8` on the H100 measured up to 3.8e-2 (bf16)
-    # and 2.2e-2 (fp16); fp32 1.5-2.9e-3 in the tests. A wrong scale, expert or routing weight is off by O(1).
-    tolerances={"float32": 5e-3, "bfloat16": 6e-2, "float16": 4e-2},
-    doc="MoE layer with fp8 (e4m3, rowwise scales) forward GEMMs, against the quantized layer in float64.",
-))
-
