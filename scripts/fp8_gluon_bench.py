@@ -8,21 +8,19 @@ import json
 import torch
 from triton.testing import do_bench
 
+from kernelkit.testing.bench import env_fingerprint
 from kernelkit.ops import scaled_matmul as S
 from kernelkit.ops import scaled_matmul_precise as P
 from kernelkit.tune import num_sms
 
 
-def quantize(x, rowwise, dim):
-    amax = x.abs().amax(dim=dim, keepdim=True) if rowwise else x.abs().amax()
-    scale = (amax.float() / 448.0).clamp_min(1e-12)
-    return (x / scale).to(torch.float8_e4m3fn), scale
-
-
 def operands(m, k, n, rowwise, gen):
-    a, sa = quantize(torch.randn(m, k, device="cuda", generator=gen), rowwise, 1)
-    w, sw = quantize(torch.randn(n, k, device="cuda", generator=gen), rowwise, 1)
-    return a, w.t(), sa, (sw.t() if rowwise else sw)
+    """e4m3 a (M, K) and b = w.t() with rowwise ((M, 1), (1, N)) or tensorwise (0-d) scales (scaled_matmul's
+    quantizer)."""
+    block = (1, 0) if rowwise else (0, 0)
+    a, sa = S.quantize(torch.randn(m, k, device="cuda", generator=gen), block)
+    w, sw = S.quantize(torch.randn(n, k, device="cuda", generator=gen), block)
+    return (a, w.t(), sa, sw.t()) if rowwise else (a, w.t(), sa.reshape(()), sw.reshape(()))
 
 
 def main():
@@ -97,7 +95,7 @@ def main():
         print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"env": env_fingerprint(), "rows": rows}, f, indent=1)
     print("checks failed:", failures)
 
 

@@ -10,6 +10,7 @@ import triton
 from triton.testing import do_bench
 
 import kernelkit
+from kernelkit.testing.bench import env_fingerprint
 from kernelkit.ops import linear as L
 
 
@@ -116,7 +117,7 @@ def main():
             print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"env": env_fingerprint(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

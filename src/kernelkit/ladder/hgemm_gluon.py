@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..ops._gemm import grouped_tile_gluon  # GROUP_M row tiles sweep the columns together, as rung 3
+from ..ops._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate  # grouped order: as rung 3
 from ..tune import num_sms
 from . import Launch
 
@@ -110,11 +110,7 @@ def hgemm_gluon_ws_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, HALF_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # released by both consumers
+    ready, empty = ws_ring(STAGES, 2)  # ready: a slot's boxes landed; empty: both consumers are done with it
     M = gl.to_tensor(M)  # (integers equal to 1 arrive as constexprs; every partition gets tensors)
     N = gl.to_tensor(N)
     K = gl.to_tensor(K)
@@ -124,9 +120,7 @@ def hgemm_gluon_ws_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr,
                                      GROUP_M, 1)),
                         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES, GROUP_M))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    ws_ring_invalidate(ready, empty, STAGES)
 
 
 def needs(m: int, n: int, k: int) -> Optional[str]:

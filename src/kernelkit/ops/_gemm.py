@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ..tune import interpreting
 
@@ -33,6 +34,26 @@ def grouped_tile_gluon(pid, grid_m, grid_n, GROUP_M: gl.constexpr):
     first_m = (pid // per_group) * GROUP_M
     group_m = gl.minimum(grid_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@gluon.jit
+def ws_ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The mbarriers of a warp-specialized GEMM's ring of STAGES shared-memory slots: `ready` (the TMA copies
+    of a slot's boxes signal it when their bytes land) and `empty` (each of CONSUMERS warpgroups signals it
+    when done reading the slot). Returns (ready, empty); `ws_ring_invalidate` retires them."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
+def ws_ring_invalidate(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
 
 
 @triton.jit

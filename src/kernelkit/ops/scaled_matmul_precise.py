@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._gemm import grouped_tile_gluon
+from ._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 = 64,512 of an SM's
@@ -209,11 +209,7 @@ def fp8_precise_kernel(a_desc, b_desc, c_desc, SCALE_A, SCALE_B, BIAS, M, N, K,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, HALF_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+    ready, empty = ws_ring(STAGES, 2)  # ready: a slot's boxes landed; empty: both consumers are done with it
     # Integers equal to 1 arrive as constexprs: tensors, so every partition gets the same argument types.
     M = gl.to_tensor(M)
     N = gl.to_tensor(N)
@@ -231,22 +227,16 @@ def fp8_precise_kernel(a_desc, b_desc, c_desc, SCALE_A, SCALE_B, BIAS, M, N, K,
                                         stride_bias, A_GROUP, B_GROUP, K_BLOCKED, HAS_BIAS, STAGES, GROUP_M, 1)),
                         (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, STAGES, GROUP_M))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    ws_ring_invalidate(ready, empty, STAGES)
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether the Gluon kernel takes these operands: Hopper, a row-major and b column-major (K-contiguous),
-    16-byte aligned bases and strides, an output whose rows are 16-byte aligned."""
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9):
-        return False
-    m, k = a.shape
+    """What the Gluon kernel needs beyond scaled_matmul's TMA path, which the caller has checked already (unit
+    inner strides, 16-byte aligned bases and strides, b K-major; tests may force that path in the interpreter):
+    a Hopper GPU (wgmma; not sm_100) and output rows that are 16-byte aligned for the TMA store."""
     n = b.shape[1]
-    out_bytes = torch.empty((), dtype=out_dtype).element_size()
-    return (a.stride(1) == 1 and b.stride(0) == 1 and m > 0 and n > 0 and k > 0
-            and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0 and (n * out_bytes) % 16 == 0
-            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+    return (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9
+            and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
 
 
 def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scaling: tuple, num_programs: int,
