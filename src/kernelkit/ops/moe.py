@@ -20,6 +20,7 @@ backward and the routing weight's gradient ride the down-dgrad's epilogue.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -371,8 +372,8 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
     if fp8:
-        # Quantized per call (torch ops: amax, divide, cast): one pass over x, the weights and h. The GEMMs run
-        # on the tensor cores' fp8 path with Triton's default (fast) accumulation.
+        # Quantized per call (quantize_rows: one kernel reading each row twice) for x, both weights and h. The
+        # GEMMs run on the tensor cores' fp8 path with Triton's default (fast) accumulation.
         xq, xs = quantize_rows(x)
         guq, gus = quantize_rows(gate_up_weight)
         dq, ds = quantize_rows(down_weight)
@@ -579,18 +580,18 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     gate/up pre-activations (a straight-through estimator of the quantization). "mxfp8" is not built yet.
     """
     _n_exp, _inter = _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize)
-    _check_precision(precision, x)
+    _check_precision(precision)  # before routing; moe_experts checks the device
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
     weights, experts = route(x2, router_weight, top_k, scoring, renormalize)
     return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision).view(x.shape)
 
 
-def _check_precision(precision, x: torch.Tensor) -> None:
+def _check_precision(precision, x: Optional[torch.Tensor] = None) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
                          + (" (MXFP8 experts are not built yet)" if precision == "mxfp8" else ""))
-    if precision == "fp8" and x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+    if precision == "fp8" and x is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
         raise TypeError(f"precision='fp8' needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
 
@@ -621,8 +622,7 @@ class MoE(torch.nn.Module):
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, scoring: str = "softmax",
                  renormalize: bool = True, device=None, dtype=None, precision: str = "bf16"):
         super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+        _check_precision(precision)
         self.precision = precision
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")

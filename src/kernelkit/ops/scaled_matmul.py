@@ -20,8 +20,10 @@ times the scales of its 128-block, to the fp32 accumulator in registers (DeepSee
 Precision: Hopper's fp8 MMA sums in fewer bits than fp32. ``use_fast_accum=False`` (torch's default) adds each
 K tile's partial product to the fp32 accumulator with a CUDA-core FMA, as the block-scaled path does anyway
 (DeepSeek-V3's promotion every 128 of K); ``True`` lets the tensor cores accumulate across all of K (Triton's
-sm_90 default, and faster: the next tile's MMA need not wait for the add). Register use is checked with
-ptxas -v for sm_90 (no spills in the configs the pruner keeps); speed is not measured yet.
+sm_90 default, and faster: the next tile's MMA need not wait for the add). On Hopper, precise and block-scaled
+calls with TMA-ready operands run the warp-specialized Gluon kernel of scaled_matmul_precise.py instead, whose
+two consumer warpgroups hide each other's adds (measured in its docstring); this file's Triton kernel serves
+the rest (fast accumulation, other layouts, other GPUs, the interpreter).
 
 Operands are read through their strides (torch needs b column-major, i.e. w.t() of a (N, K) weight; here a
 row-major b and padded or sliced views work as they are). On sm_90 operands whose base and strides are
