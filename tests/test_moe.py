@@ -11,7 +11,8 @@ import torch
 
 import kernelkit
 from kernelkit.ops import moe as M
-from kernelkit.ops.moe_fp8 import reference_fp8
+from kernelkit.ops import mxfp8 as MX
+from kernelkit.ops.moe_fp8 import reference_fp8, reference_mxfp8
 from kernelkit.ops import registry
 from kernelkit.testing import check, check_spec, poisoned_outputs
 
@@ -241,12 +242,25 @@ def test_custom_op_path(device):
     assert out.device.type == "meta" and out.shape == (9, 16)
     leaves = [t.clone().requires_grad_() for t in (x, r, gu, d)]
     weights, experts = M.route(leaves[0], leaves[1], k)
-    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True, False)[0]
+    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True, "bf16")[0]
     y.backward(torch.ones_like(y))
     refs = [t.double().requires_grad_() for t in (x, r, gu, d)]
     M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64, device=device))
     for got, want in zip(leaves, refs):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-6)
+    # MXFP8: the fake returns no h (the forward keeps it quantized) and the backward recomputes it from z.
+    x, r, gu, d, k = _inputs((9, 32, 32, 3, 2), torch.float32, device, seed=13)
+    meta = M._moe_experts_op(x.to("meta"), torch.rand(9, 2, device="meta"), gu.to("meta"), d.to("meta"),
+                             torch.zeros(9, 2, dtype=torch.long, device="meta"), False, True, "mxfp8")
+    real = M._moe_experts_op(x, *M.route(x, r, k)[:1], gu, d, M.route(x, r, k)[1], False, True, "mxfp8")
+    assert [t.shape for t in meta] == [t.shape for t in real]
+    leaves = [t.clone().requires_grad_() for t in (x, gu, d)]
+    weights, experts = M.route(leaves[0], r, k)
+    M._moe_experts_op(leaves[0], weights, leaves[1], leaves[2], experts, False, True, "mxfp8")[0].sum().backward()
+    eager = [t.clone().requires_grad_() for t in (x, gu, d)]
+    M.moe(eager[0], r, eager[1], eager[2], k, precision="mxfp8").sum().backward()
+    for got, want in zip(leaves, eager):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_compiles_without_graph_breaks(device):
@@ -380,10 +394,15 @@ def test_fp8_quantize_rows_and_precision_errors(device):
     assert (back[1, 2] == 0).all() and q.float().abs().amax() <= 448
     assert ((back - t.float()).abs() <= t.float().abs() * 2 ** -4 + s[..., None] * 2 ** -9).all()
     args = _inputs((5, 16, 12, 2, 1), torch.bfloat16, device)
-    with pytest.raises(ValueError, match="precision must be one of 'bf16', 'fp8'.*MXFP8"):
-        M.moe(*args, precision="mxfp8")
+    with pytest.raises(ValueError, match="precision must be one of 'bf16', 'fp8', 'mxfp8'"):
+        M.moe(*args, precision="fp4")
     with pytest.raises(ValueError, match="precision must be one of"):
         M.MoE(16, 12, 2, 1, precision="int8")
+    with pytest.raises(ValueError, match="hidden .*divisible by the MX block size 32, got 16"):
+        M.moe(*args, precision="mxfp8")
+    args = _inputs((5, 32, 12, 2, 1), torch.bfloat16, device)
+    with pytest.raises(ValueError, match="intermediate divisible by the MX block size 32, got 12"):
+        M.moe(*args, precision="mxfp8")
 
 
 @pytest.mark.gpu
@@ -416,3 +435,174 @@ def test_quantize_rows_kernel_compiles_for_sm90():
                          "BLOCK_N": {"value": 4096}},
                 "options": {"num_warps": 8}} for dt in ("bf16", "fp32")]
     assert not compile_check.compile_in_subprocess(records)
+
+
+# --- precision="mxfp8": E8M0 scales per 32 elements along K, h quantized in the SwiGLU epilogue ---
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 64, 32, 4, 2), (29, 32, 96, 3, 1), (9, 96, 64, 8, 8)])
+def test_mxfp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device):
+    # Odd token counts, top-1, top-2 and every expert for every token; experts of several 16-row tiles, K of
+    # one to three MX blocks, intermediate of one to three 32-column quantization tiles.
+    x, router, gu, down, k = _inputs(shape, dtype, device, seed=shape[0])
+    kw = {"renormalize": k > 1}
+    want = reference_mxfp8(x, router, gu, down, k, **kw).double()
+    got = M.moe(x, router, gu, down, k, precision="mxfp8", **kw)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    # fp32: the interpreter's sums differ from float64 only in rounding (4e-8 measured); the GPU's bf16 products
+    # are exact and its fp32 sums may flip an element of h to its e4m3 neighbour. bf16: one output rounding.
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3 if device == "cuda" else 1e-5), err
+    exact = M.reference(x.double(), router.double(), gu.double(), down.double(), k, **kw)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 1.2e-1
+
+
+def test_mxfp8_epilogue_quantizes_h_like_the_quantizer(device):
+    # The gate-up GEMM's MXFP8 output (bits and E8M0 codes) against mxfp8's reference conversion of the same
+    # GEMM's fp32 h: a scale written to the wrong block, a wrong amax or rounding shows as a mismatch.
+    x, router, gu, _down, k = _inputs((37, 64, 96, 4, 2), torch.float32, device, seed=11)
+    weights, experts = M.route(x, router, k)
+    order, offs = M._permute(experts, 4)
+    tokens = order // k
+    xq, xs = M.mxfp8_quantize(x)
+    guq, gus = M.mxfp8_quantize(gu)
+    rows = tokens.shape[0]
+    h = torch.empty((rows, 96), device=device)
+    M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs, b_scale=gus,
+                    mx=True)
+    hq = torch.full((rows, 96), 0x7E, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)  # poison
+    hs = torch.full((rows, 3), 7, dtype=torch.uint8, device=device)
+    M._grouped_gemm(xq, guq.transpose(1, 2), hq, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs,
+                    b_scale=gus, mx=True, c_scales=hs)
+    want_q, want_s = MX.reference_quantize(h)
+    assert torch.equal(hs, want_s)
+    same = hq.view(torch.uint8) == want_q.view(torch.uint8)
+    assert same.all() if device != "cuda" else same.float().mean() > 0.999, same.float().mean()
+    # h itself is the exact layer's, within e4m3 of the dequantized operands
+    xd = MX.reference_dequantize(xq, xs, torch.float64)
+    gud = MX.reference_dequantize(guq, gus, torch.float64)
+    for r in (0, rows // 2, rows - 1):
+        e = int(torch.searchsorted(offs.long(), torch.tensor(r, device=device), right=True)) - 1
+        gate, up = (xd[tokens[r]] @ gud[e].T).chunk(2)
+        torch.testing.assert_close(h[r].double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp8_gradients_and_inputs(device):
+    # Straight-through backward in x's dtype; h recomputed from the saved pre-activations. Strided, offset views
+    # of x and of the weights go through the quantizers.
+    args = _inputs((21, 32, 32, 4, 2), torch.float32, device, seed=3)
+    big = torch.randn(4, 2 * 32 + 5, 40, device=device)
+    big[:, 3:3 + 64, 4:36] = args[2]
+    gu_view = big[:, 3:3 + 64, 4:36]
+    leaves = [args[0].detach().clone().requires_grad_(), args[1].detach().clone().requires_grad_(),
+              gu_view.detach().requires_grad_(), args[3].detach().clone().requires_grad_()]
+    out = M.moe(*leaves, args[4], precision="mxfp8")
+    torch.testing.assert_close(out, M.moe(*args, precision="mxfp8"), rtol=0, atol=0)
+    out.square().sum().backward()
+    ref = [a.detach().double().requires_grad_() for a in args[:4]]
+    M.reference(*ref, args[4]).square().sum().backward()
+    for got, want in zip(leaves, ref):
+        assert torch.isfinite(got.grad).all()
+        assert ((got.grad.double() - want.grad).norm() / want.grad.norm()).item() < 0.15
+
+
+def test_mxfp8_nan_in_x_spreads_like_torch(device):
+    # A NaN element of x makes its 32-block's scale NaN: that token's output is NaN (as the unquantized layer's
+    # would be), the other tokens stay finite.
+    x, router, gu, down, k = _inputs((13, 64, 32, 4, 2), torch.float32, device, seed=4)
+    weights, experts = M.route(x, router, k)
+    x = x.clone()
+    x[5, 40] = float("nan")
+    out = M.moe_experts(x, weights, gu, down, experts, precision="mxfp8")
+    assert torch.isnan(out[5]).all()
+    keep = torch.arange(13, device=device) != 5
+    assert torch.isfinite(out[keep]).all()
+
+
+def test_keep_quantized_weights_reuses_until_the_weight_changes(device, monkeypatch):
+    args = _inputs((13, 32, 32, 4, 2), torch.float32, device, seed=5)
+    x, router, gu, down, k = args
+    calls = []
+    real = M.quantized_weight.__globals__["quantize_rows"]
+    monkeypatch.setitem(M.quantized_weight.__globals__, "quantize_rows", lambda t: calls.append(t.shape) or real(t))
+    gu = torch.nn.Parameter(gu.clone())
+    with M.keep_quantized_weights():
+        first = M.moe(x, router, gu, down, k, precision="fp8")
+        again = M.moe(x, router, gu, down, k, precision="fp8")
+        assert len(calls) == 2, calls  # each weight quantized once
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+        with torch.no_grad():
+            gu.mul_(-1.0)  # an optimizer-style in-place update: the version counter moves
+        flipped = M.moe(x, router, gu, down, k, precision="fp8")
+        assert len(calls) == 3
+    torch.testing.assert_close(flipped, M.moe(x, router, gu, down, k, precision="fp8"), rtol=0, atol=0)
+    assert not torch.allclose(flipped, first)
+    assert not M.quantized_weight.__globals__["_KEPT"]  # dropped when the block closed
+
+
+def test_deepseek_routing_options_match_reference_and_transformers(device):
+    x, router, gu, down, _k = _inputs((19, 32, 16, 16, 4), torch.float32, device, seed=6)
+    bias = torch.randn(16, device=device) * 0.05
+    kw = {"scoring": "sigmoid", "expert_bias": bias, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
+    check(M.moe, M.reference, [x, router, gu, down, 4], kw, grad_args=(0, 1, 2, 3),
+          run_twice=False).raise_if_failed()
+    w, idx = M.route(x, router, 4, "sigmoid", expert_bias=bias, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    groups = (idx // 4)
+    assert all(len(set(g.tolist())) <= 2 for g in groups)  # only topk_group groups chosen from
+    counts = M.expert_counts(idx, 16)
+    assert counts.sum() == 19 * 4 and torch.equal(counts, torch.bincount(idx.flatten(), minlength=16))
+    loss = M.load_balancing_loss(x, router, idx, "sigmoid")
+    assert loss.requires_grad is False and loss > 0
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    cfg = ds.DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    hf = ds.DeepseekV3TopkRouter(cfg).to(device)
+    with torch.no_grad():
+        hf.weight.copy_(router)
+        hf.e_score_correction_bias.copy_(bias)
+    _, w_hf, idx_hf = hf(x)
+    mine, theirs = idx.sort(1), idx_hf.sort(1)
+    assert torch.equal(mine.values, theirs.values)
+    torch.testing.assert_close(w.gather(1, mine.indices), w_hf.gather(1, theirs.indices), rtol=1e-6, atol=1e-6)
+
+
+def test_routing_options_are_validated(device):
+    args = _inputs((5, 16, 12, 4, 2), torch.float32, device)
+    for kw, match in (({"n_group": 3}, "n_group must be a positive int dividing"),
+                      ({"n_group": 2}, "topk_group must be an int between 1 and n_group"),
+                      ({"n_group": 2, "topk_group": 3}, "topk_group must be"),
+                      ({"topk_group": 2}, "needs n_group > 1"),
+                      ({"expert_bias": torch.zeros(3, device=device)}, "expert_bias must be a float tensor of shape")):
+        with pytest.raises(ValueError, match=match):
+            M.moe(*args, **kw)
+    with pytest.raises(ValueError, match="top_k .* more experts than"):
+        M.moe(*args[:4], 3, n_group=4, topk_group=1)
+    with pytest.raises(TypeError, match="routed_scaling_factor must be a number"):
+        M.moe(*args, routed_scaling_factor="2")
+
+
+def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
+    # The MXFP8 grouped GEMM (both K-step variants: kernelkit's dequantization and tl.dot_scaled) with the
+    # Hopper tiles the autotuner picks from, compiled for sm_90: the interpreter runs only 16-row tiles.
+    from kernelkit.testing import compile_check
+    from tests.conftest import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("records launches through the Triton interpreter")
+    records = []
+    args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
+    with compile_check.record_launches(records):
+        M.moe(*args, precision="mxfp8")
+    gemms = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_gemm_kernel")]
+    assert len(gemms) == 2
+    variants = []
+    for r in gemms:
+        for mx_dot in (False, True):
+            v = {**r, "args": {**r["args"], "MX_DOT": {"value": mx_dot}, "BLOCK_M": {"value": 128},
+                               "BLOCK_N": {"value": 128}, "BLOCK_K": {"value": 64}},
+                 "options": {"num_warps": 8, "num_stages": 3}}
+            variants.append(v)
+    failures = compile_check.compile_in_subprocess(variants)
+    assert not failures, "\n".join(failures)

@@ -6,11 +6,15 @@ kernel on the GPU, its torch-ops definition elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
-from ..tune import next_pow2
+from ..tune import interpreting, next_pow2
+from .mxfp8 import e8m0_to_fp32
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
@@ -73,3 +77,67 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                         BLOCK_N=block,
                                         num_warps=8 if block >= 2048 else 4)
     return q.view(t.shape), scale.view(t.shape[:-1])
+
+
+# The GPU's fp8 converts round to nearest even; the interpreter's truncate, so kernels encode the bits themselves
+# there (mxfp8.mx_encode).
+HW_FP8_CAST = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def mx_dequant(q, codes, R: tl.constexpr, C: tl.constexpr, KEEP_FP32: tl.constexpr):
+    """An (R, C) MXFP8 tile (e4m3 q, E8M0 codes (R, C / 32)) as bfloat16 (exact: a 4-bit significand times a
+    power of two), or fp32 with KEEP_FP32 (the interpreter's dots, which multiply bf16 as integers)."""
+    v = q.to(tl.float32).reshape(R, C // 32, 32) * e8m0_to_fp32(codes)[:, :, None]
+    v = v.reshape(R, C)
+    if KEEP_FP32:
+        return v
+    return v.to(tl.bfloat16)
+
+
+# --- quantized copies of weights, kept while a `keep_quantized_weights` block is open ---
+
+_KEEP = [0]  # open keep_quantized_weights blocks
+_KEPT: dict = {}  # (id(weight), format) -> (weakref to the weight, (version, data_ptr, shape, strides), (q, scales))
+
+
+@contextlib.contextmanager
+def keep_quantized_weights():
+    """Inside the block, the fp8 / MXFP8 MoE paths quantize each expert weight once and reuse the copy for as long
+    as the weight is unchanged, instead of once per call (at DeepSeek-V3's 256 experts that is 11.3 GB of fp8
+    copies made per forward). A weight counts as changed when its version counter moves (any in-place update
+    through autograd-visible ops: optimizers, ``copy_`` under no_grad, ``load_state_dict``), its storage or its
+    layout changes. Writes through ``.data`` bypass the version counter: call `drop_quantized_weights` after
+    them. The copies cost one byte per weight element (plus the scales) and are dropped when the block closes or
+    the weight is freed."""
+    _KEEP[0] += 1
+    try:
+        yield
+    finally:
+        _KEEP[0] -= 1
+        if not _KEEP[0]:
+            _KEPT.clear()
+
+
+def drop_quantized_weights() -> None:
+    """Forget every quantized weight `keep_quantized_weights` holds."""
+    _KEPT.clear()
+
+
+def quantized_weight(w: torch.Tensor, fmt: str):
+    """(q, scales) of w for fmt "fp8" (`quantize_rows`) or "mxfp8" (`mxfp8_quantize`), reused from an earlier call
+    inside `keep_quantized_weights` while w is unchanged."""
+    from .mxfp8 import mxfp8_quantize
+
+    quantize = quantize_rows if fmt == "fp8" else mxfp8_quantize
+    if not _KEEP[0] or torch.is_inference(w):  # inference tensors have no version counter to watch
+        return quantize(w)
+    stamp = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+    key = (id(w), fmt)
+    hit = _KEPT.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == stamp:
+        return hit[2]
+    _KEPT.pop(key, None)  # the stale copy goes before the new one is made
+    q = quantize(w)
+    _KEPT[key] = (weakref.ref(w, lambda _ref, key=key: _KEPT.pop(key, None)), stamp, q)
+    return q

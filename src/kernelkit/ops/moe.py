@@ -31,13 +31,15 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from . import _validate
-from ._fp8 import quantize_rows, quantize_rows_reference  # noqa: F401 (quantize_rows_reference: re-exported)
+from ._fp8 import (HW_FP8_CAST, drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
+                   mx_dequant, quantize_rows, quantize_rows_reference, quantized_weight)
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
+from .mxfp8 import mx_encode, mxfp8_quantize
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 def _gemm_configs() -> list:
     # The first config is the interpreter's: 16-row tiles split the test shapes' experts (5-20 rows each) into
     # several tiles with ragged tails. The rest are Hopper GEMM tiles as in linear.py, plus 16/32-row tiles for
@@ -91,34 +93,55 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     return e, row0, row_end
 
 
-@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "FP8"],
-          prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["ROWDOT"])
+@triton.jit
+def _mx_dot(a, sa, bt, sb, acc, BN: tl.constexpr, BK: tl.constexpr, MX_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + A @ W^T for an MXFP8 K step: a (BM, BK) already dequantized unless MX_DOT, bt (BN, BK) e4m3 with
+    its E8M0 codes sb (BN, BK / 32)."""
+    if MX_DOT:
+        # (its fp8 operands go in as their bytes: Triton 3.6 asserts on an fp8e4nv tensor here)
+        acc = tl.dot_scaled(a.to(tl.uint8, bitcast=True), sa, "e4m3", tl.trans(bt).to(tl.uint8, bitcast=True), sb,
+                            "e4m3", acc)
+    else:
+        acc = tl.dot(a, tl.trans(mx_dequant(bt, sb, BN, BK, UPCAST)), acc)
+    return acc
+
+
+@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "SCALES",
+                                "Q_OUT"],
+          prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
                             B, stride_be, stride_bk, stride_bn,  # expert e's weight read as (K, N) [(K, 2N): swiglu]
                             C, C_IDX, stride_cm, stride_cn,  # C (rows, N) [(rows, 2N): swiglu_bwd]; row r at C_IDX[r]
                             Z, stride_zm, stride_zn,  # gate | up pre-activations (rows, 2N)
                             SCALE,  # routing weight per row (HAS_SCALE)
-                            ROWDOT, stride_rm,  # swiglu_bwd: (rows, N tiles) partial sums of dh * h
-                            A_SCALE, B_SCALE, stride_bse,  # FP8: A's row scales (by A row), B's (E, N') column scales
+                            AUX, stride_aux,  # swiglu_bwd: (rows, N tiles) partial sums of dh * h; Q_OUT: C's scales
+                            A_SCALE, stride_as, B_SCALE, stride_bse, stride_bsn,  # SCALES: A's and B's (see below)
                             OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
                             EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
                             HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                            B_TMA: tl.constexpr, FP8: tl.constexpr,
+                            B_TMA: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, MX_DOT: tl.constexpr,
                             E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
     """C[r] = epilogue(A[r] @ W[e(r)]) for the rows r of every expert. EPILOGUE "none" (times the row's routing
     weight with HAS_SCALE); "swiglu": silu(gate) * up of the (K, 2N) weight's two halves, storing the
     pre-activations in Z with STORE_Z; "swiglu_bwd": A @ W is dh/w, Z holds (gate, up): stores d(gate, up) of
-    h = silu(gate) * up at dh = w * (A @ W) and this tile's share of the routing weight's gradient <A @ W, h>."""
-    # An fp8 tl.dot takes K >= 32 a step: the interpreter's 16-wide config steps by 32 there (as it does when
-    # CI compiles the interpreter's launches for sm_90).
-    BK: tl.constexpr = 32 if FP8 and BLOCK_K < 32 else BLOCK_K
+    h = silu(gate) * up at dh = w * (A @ W) and this tile's share of the routing weight's gradient <A @ W, h>.
+
+    SCALES: "" (A and W in x's dtype); "rowwise" (float8_e4m3fn A and W, A_SCALE one fp32 per A row, B_SCALE
+    (E, N') one per output channel: dequantized in the epilogue); "mx" (MXFP8: E8M0 codes per 32 elements along
+    K, A_SCALE (A rows, K / 32), B_SCALE (E, N', K / 32): dequantized in the main loop, see below).
+    Q_OUT (swiglu): h is stored as MXFP8, e4m3 bits in C (a uint8 view) and its E8M0 codes in AUX (rows, N / 32):
+    the quantization the down GEMM's A needs, done on the fp32 tile before it leaves registers."""
+    # An fp8 tl.dot takes K >= 32 a step, and MX blocks are 32 wide: the interpreter's 16-wide config steps by 32
+    # there (as it does when CI compiles the interpreter's launches for sm_90); Q_OUT quantizes 32-column blocks.
+    BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K
+    BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
     pid = tl.program_id(0)
     # The grid covers an upper bound of row tiles known on the host without reading the counts: every expert
     # adds at most one partial tile to cdiv(ROWS, BLOCK_M). Programs past the real tiles exit at once.
     grid_m = tl.cdiv(ROWS, BLOCK_M) + E
-    grid_n = tl.cdiv(N, BLOCK_N)
+    grid_n = tl.cdiv(N, BN)
     # Grouped order: the weight tiles of an expert with several row tiles are read from L2, not once per row tile.
     pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
     e, row0, row_end = _expert_of_tile(OFFS, pid_m, E, E_P2, BLOCK_M)
@@ -128,7 +151,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     rows = row0 + tl.arange(0, BLOCK_M)
     m_ok = rows < row_end
     rows64 = rows.to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     rn64 = rn.to(tl.int64)
     if GATHER_A:  # the permutation fused into the loads: row r of the group is token A_IDX[r]
@@ -140,29 +163,57 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     b_ptrs = w + rn64[None, :] * stride_bn
     b_up = w + (rn64 + N)[None, :] * stride_bn  # the up half; the compiler drops it unless EPILOGUE is swiglu
     rk = tl.arange(0, BK)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     if B_TMA:
         # The experts' weights in nn.Linear's (out, in) layout are K-contiguous: a pointer-loaded (K, N) tile of
         # them is the layout the dense GEMM lost 25% on (see ops/linear.py). Here they come through one 3-D
-        # descriptor over (E, N rows [2N: gate | up], K) as (BLOCK_N, BLOCK_K) boxes the MMA takes transposed;
+        # descriptor over (E, N rows [2N: gate | up], K) as (BN, BLOCK_K) boxes the MMA takes transposed;
         # boxes past an expert's rows or K read zeros. The gathered A rows stay pointer loads.
         NT = 2 * N if EPILOGUE == "swiglu" else N
         b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
-                                           block_shape=[1, BLOCK_N, BK])
+                                           block_shape=[1, BN, BK])
+    if SCALES == "mx":
+        # MXFP8: no block-scaled MMA on Hopper, so each K step's fp8 tiles are dequantized in registers (times
+        # 2^(code - 127) per 32 elements, exact in bf16) and multiplied as bf16 (MX_DOT: the same through
+        # tl.dot_scaled, Triton's emulation of it). W's rows come as (BN, BK) tiles, K-contiguous.
+        kb_ar = tl.arange(0, BK // 32)
+        sa_ptrs = A_SCALE + a_rows[:, None] * stride_as
+        sb_ptrs = B_SCALE + e.to(tl.int64) * stride_bse + rn64[:, None] * stride_bsn
+        bt_ptrs = w + rn64[:, None] * stride_bn
     for k0 in range(0, K, BK):
         kk = k0 + rk
         k_ok = kk < K
         kk64 = kk.to(tl.int64)
         a = tl.load(a_ptrs + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if B_TMA:
-            b = tl.trans(b_desc.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BK))
+        if SCALES == "mx":
+            kb = k0 // 32 + kb_ar
+            kb_ok = kb < K // 32
+            sa = tl.load(sa_ptrs + kb[None, :], mask=m_ok[:, None] & kb_ok[None, :], other=127)
+            sb = tl.load(sb_ptrs + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=127)
+            if B_TMA:
+                bt = b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK)
+            else:
+                bt = tl.load(bt_ptrs + kk64[None, :] * stride_bk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if not MX_DOT:
+                a = mx_dequant(a, sa, BLOCK_M, BK, INTERPRETER_DOT)
+            acc = _mx_dot(a, sa, bt, sb, acc, BN, BK, MX_DOT, INTERPRETER_DOT)
+            if EPILOGUE == "swiglu":
+                su = tl.load(sb_ptrs + N * stride_bsn + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=127)
+                if B_TMA:
+                    ut = b_desc.load([e, N + pid_n * BN, k0]).reshape(BN, BK)
+                else:
+                    ut = tl.load(bt_ptrs + N * stride_bn + kk64[None, :] * stride_bk,
+                                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_up = _mx_dot(a, sa, ut, su, acc_up, BN, BK, MX_DOT, INTERPRETER_DOT)
+        elif B_TMA:
+            b = tl.trans(b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK))
             if INTERPRETER_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if EPILOGUE == "swiglu":  # gate columns past N read up rows here: never stored (n_ok)
-                u = tl.trans(b_desc.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BK))
+                u = tl.trans(b_desc.load([e, N + pid_n * BN, k0]).reshape(BN, BK))
                 if INTERPRETER_DOT:
                     u = u.to(tl.float32)
                 acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
@@ -172,7 +223,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                                        k_ok[:, None] & n_ok[None, :], EPILOGUE == "swiglu", INTERPRETER_DOT,
                                        INPUT_PRECISION)
 
-    if FP8:  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
+    if SCALES == "rowwise":  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
         sa = tl.load(A_SCALE + a_rows, mask=m_ok, other=0.0)[:, None]
         b_scales = B_SCALE + e.to(tl.int64) * stride_bse + rn64
         acc = acc * sa * tl.load(b_scales, mask=n_ok, other=0.0)[None, :]
@@ -192,7 +243,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
         sig = tl.sigmoid(gate)
         silu = gate * sig
         # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
-        tl.store(ROWDOT + rows64 * stride_rm + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
+        tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
         dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
         tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
                  mask=mask)
@@ -203,7 +254,14 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
         c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
     else:
         c_rows = rows64
-    tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
+    if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
+        bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
+        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
+                 mask=m_ok[:, None] & (kb < N // 32)[None, :])
+    else:
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
 
 
 @autotune(_wgrad_configs(), key=["ROWS_BUCKET", "M", "N", "E"])
@@ -265,34 +323,51 @@ _ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.confi
 
 
 def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
-                  epilogue="none", precision=None, a_scale=None, b_scale=None):
+                  epilogue="none", precision=None, a_scale=None, b_scale=None, mx=False, c_scales=None):
     """c = epilogue(a[rows] @ weight[e]) for the expert groups `offs`; weight is an (E, K, N') view (N' = 2n
-    for swiglu) read through its strides. fp8 a and weight take a_scale (one per row of a, as a_idx indexes
-    it) and b_scale (E, N'), contiguous along N'."""
-    fp8 = a_scale is not None
+    for swiglu) read through its strides. fp8 a and weight take a_scale and b_scale: rowwise, one fp32 per row
+    of a (as a_idx indexes it) and (E, N') contiguous along N'; with `mx`, E8M0 codes per 32 elements along K,
+    (rows of a, K / 32) and (E, N', K / 32) contiguous along K. c_scales (rows, n / 32) uint8 (swiglu): h is
+    stored as MXFP8, its e4m3 bits in c (float8_e4m3fn or uint8) and its codes in c_scales."""
+    scales = "" if a_scale is None else "mx" if mx else "rowwise"
+    q_out = c_scales is not None
     rows, e, k = c.shape[0] if c_idx is None else c_idx.shape[0], weight.shape[0], weight.shape[1]
     zz = z if z is not None else c
-    # Not a borrowed argument: the autotuner zeroes ROWDOT around its timing runs (reset_to_zero).
-    rd = rowdot if rowdot is not None else torch.empty(1, dtype=torch.float32, device=c.device)
+    # Not a borrowed argument: the autotuner zeroes AUX around its timing runs (reset_to_zero).
+    aux = c_scales if q_out else rowdot if rowdot is not None else torch.empty(1, dtype=torch.float32,
+                                                                                device=c.device)
+    if q_out:
+        c = c.view(torch.uint8)
     bucket = next_pow2(rows)
     b_tma = _b_tma(weight)
     if b_tma and weight.is_cuda:
         ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
-    grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    if mx:  # b_scale (E, N', K / 32) as the weight's (E, K, N') view is transposed: its row stride is dim 1's
+        bs_e, bs_n = b_scale.stride(0), b_scale.stride(1)
+    else:
+        bs_e, bs_n = (b_scale.stride(0), 1) if b_scale is not None else (0, 0)
+    mx_dot = mx and MX_DOT and weight.is_cuda
+    min_bn = 32 if q_out else 1
+    grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
            ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, fp8),
+            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, scales, q_out, mx_dot),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
            zz, zz.stride(0), zz.stride(-1),
            scale if scale is not None else c,
-           rd, rd.stride(0),
-           a_scale if fp8 else rd, b_scale if fp8 else rd, b_scale.stride(0) if fp8 else 0,
+           aux, aux.stride(0),
+           a_scale if scales else aux, a_scale.stride(0) if scales else 0, b_scale if scales else aux, bs_e, bs_n,
            offs, rows, n, k, e, bucket,
            EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if fp8 else precision, B_TMA=b_tma,
-           FP8=fp8, E_P2=max(16, next_pow2(e)))
+           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
+           SCALES=scales, Q_OUT=q_out, MX_DOT=mx_dot, E_P2=max(16, next_pow2(e)))
+
+
+# MXFP8 K steps through tl.dot_scaled (Triton's own bf16 emulation on Hopper) instead of kernelkit's dequantization;
+# the interpreter has no dot_scaled. KERNELKIT_MX_DOT_SCALED=1 selects it.
+MX_DOT = os.environ.get("KERNELKIT_MX_DOT_SCALED", "0") == "1"
 
 
 # The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
@@ -349,16 +424,18 @@ def _sum_slots(y: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
 
 
 def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32: bool = False, save: bool = False,
-                    fp8: bool = False):
+                    precision: str = "bf16"):
     """The expert part: x (T, H), weights (T, k) fp32 routing weights, experts (T, k) int64 expert ids.
-    Returns (out (T, H), h (T*k, I), z (T*k, 2I) pre-activations or empty unless `save`, order, offs).
-    fp8: both GEMMs on float8_e4m3fn operands with rowwise scales (tokens and h rows; each expert's output
-    channels), dequantized in the epilogues; h and z stay in x's dtype."""
+    Returns (out (T, H), h (T*k, I) or empty, z (T*k, 2I) pre-activations or empty unless `save`, order, offs).
+    "fp8": both GEMMs on float8_e4m3fn operands with rowwise scales (tokens and h rows; each expert's output
+    channels), dequantized in the epilogues; h and z stay in x's dtype. "mxfp8": both GEMMs on MXFP8 operands
+    (32-element blocks along K), dequantized in the main loop; the gate-up GEMM writes h already quantized (and
+    z with `save`); h is then not returned (empty): the backward recomputes it from z."""
     t, hidden = x.shape
     k = experts.shape[1]
     n_exp, inter = gate_up_weight.shape[0], gate_up_weight.shape[1] // 2
     rows = t * k
-    h = empty((rows, inter), dtype=x.dtype, device=x.device)
+    h = empty((rows, inter), dtype=x.dtype, device=x.device) if precision != "mxfp8" else x.new_empty(0)
     z = empty((rows, 2 * inter), dtype=x.dtype, device=x.device) if save else x.new_empty(0)
     y = empty((rows, hidden), dtype=x.dtype, device=x.device)
     order, offs = _permute(experts, n_exp)
@@ -368,37 +445,52 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     # rows would stay unwritten. Checked on the device, no host sync: the error comes at the next synchronization.
     torch._assert_async(((experts >= 0) & (experts < n_exp)).all(),
                         "kernelkit.moe: an expert id is outside [0, experts) (expert-parallel sentinels are not supported)")
-    precision = input_precision(x.dtype, allow_tf32)
+    dot_precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
-    if fp8:
-        # Quantized per call (quantize_rows: one kernel reading each row twice) for x, both weights and h. The
-        # GEMMs run on the tensor cores' fp8 path with Triton's default (fast) accumulation.
+    if precision == "mxfp8":
+        xq, xs = mxfp8_quantize(x)
+        guq, gus = quantized_weight(gate_up_weight, "mxfp8")
+        dq, ds = quantized_weight(down_weight, "mxfp8")
+        hq = empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
+        hs = empty((rows, inter // 32), dtype=torch.uint8, device=x.device)
+        _grouped_gemm(xq, guq.transpose(1, 2), hq, offs, inter, a_idx=tokens, z=z if save else None,
+                      epilogue="swiglu", a_scale=xs, b_scale=gus, mx=True, c_scales=hs)
+        _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds,
+                      mx=True)
+        return _sum_slots(y, t, k), x.new_empty(0), z, order, offs
+    if precision == "fp8":
+        # Quantized per call (quantize_rows: one kernel reading each row twice) for x and h, and for the weights
+        # unless `keep_quantized_weights` holds them. The GEMMs run on the tensor cores' fp8 path with Triton's
+        # default (fast) accumulation.
         xq, xs = quantize_rows(x)
-        guq, gus = quantize_rows(gate_up_weight)
-        dq, ds = quantize_rows(down_weight)
+        guq, gus = quantized_weight(gate_up_weight, "fp8")
+        dq, ds = quantized_weight(down_weight, "fp8")
         _grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
                       epilogue="swiglu", a_scale=xs, b_scale=gus)
         hq, hs = quantize_rows(h)
         _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds)
         return _sum_slots(y, t, k), h, z, order, offs
     _grouped_gemm(x, gate_up_weight.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
-                  epilogue="swiglu", precision=precision)
-    _grouped_gemm(h, down_weight.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, precision=precision)
+                  epilogue="swiglu", precision=dot_precision)
+    _grouped_gemm(h, down_weight.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows,
+                  precision=dot_precision)
     return _sum_slots(y, t, k), h, z, order, offs
 
 
 def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32: bool = False,
                     needs=(True, True, True, True)):
     """Gradients (dx, dweights, dgate_up, ddown) of the expert part (None where `needs` says so)."""
-    if z.numel() != h.shape[0] * 2 * h.shape[1]:
-        raise RuntimeError("kernelkit.moe: the forward ran without saving for a backward (no input required grad)")
     t, hidden = x.shape
     k = weights.shape[1]
-    rows, inter = h.shape
+    rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
+    if z.numel() != rows * 2 * inter:
+        raise RuntimeError("kernelkit.moe: the forward ran without saving for a backward (no input required grad)")
     precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
+    if h.numel() == 0 and rows:  # the MXFP8 forward kept h only quantized: recomputed from z in x's dtype
+        h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     dx = dw = dgu = dd = None
     if rows and (needs[0] or needs[1] or needs[2]):
         dz = empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
@@ -432,15 +524,15 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
 
 @torch.library.custom_op("kernelkit::moe_experts", mutates_args=())
 def _moe_experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                    experts: torch.Tensor, allow_tf32: bool, save: bool, fp8: bool
+                    experts: torch.Tensor, allow_tf32: bool, save: bool, precision: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8)
+    return moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision)
 
 
 @_moe_experts_op.register_fake
-def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8):
+def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision):
     rows, i2 = experts.numel(), gate_up_weight.shape[1]
-    return (x.new_empty(x.shape), x.new_empty((rows, i2 // 2)), x.new_empty((rows, i2) if save else (0,)),
+    return (x.new_empty(x.shape), x.new_empty((rows, i2 // 2) if precision != "mxfp8" else (0,)), x.new_empty((rows, i2) if save else (0,)),
             experts.new_empty((rows,), dtype=torch.int64),
             experts.new_empty((gate_up_weight.shape[0] + 1,), dtype=torch.int32))
 
@@ -460,7 +552,7 @@ def _(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf
 
 
 def _setup_context(ctx, inputs, output):
-    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _fp8 = inputs
+    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _precision = inputs
     _out, h, z, order, offs = output
     ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs)
     ctx.allow_tf32 = allow_tf32
@@ -483,9 +575,9 @@ class _MoEExpertsFunction(torch.autograd.Function):
     """The eager path: the same launchers as the custom op with less per-call host overhead."""
 
     @staticmethod
-    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, fp8):
+    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision):
         out, h, z, order, offs = moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, True,
-                                                 fp8)
+                                                 precision)
         ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs, experts)
         ctx.allow_tf32 = allow_tf32
         return out
@@ -499,15 +591,59 @@ class _MoEExpertsFunction(torch.autograd.Function):
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",
-          renormalize: bool = True):
+          renormalize: bool = True, *, expert_bias: Optional[torch.Tensor] = None, n_group: int = 1,
+          topk_group: Optional[int] = None, routed_scaling_factor: float = 1.0):
     """(weights (T, k) fp32, experts (T, k) int64) for x (T, H): the router in torch ops (one small GEMM, an
-    elementwise map and a top-k), differentiable in x and router_weight through the weights."""
+    elementwise map and a top-k), differentiable in x and router_weight through the weights.
+
+    DeepSeek-V3's options: `expert_bias` (E,) is added to the probabilities for the choice only (the weights are
+    the unbiased probabilities of the chosen experts: auxiliary-loss-free load balancing); with `n_group` > 1 the
+    experts form n_group equal groups, each scored by the sum of its two best (biased) probabilities, and only the
+    `topk_group` best groups compete for the top_k; the weights are multiplied by `routed_scaling_factor` after
+    the renormalization."""
     logits = F.linear(x.float(), router_weight.float())
     probs = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
-    weights, experts = probs.topk(top_k, dim=-1)
+    return _select(probs, top_k, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor)
+
+
+def _select(probs, top_k, renormalize, expert_bias=None, n_group=1, topk_group=None, routed_scaling_factor=1.0):
+    """route's choice and weights from the router probabilities (T, E), in their dtype."""
+    choice = probs.detach() if expert_bias is None else probs.detach() + expert_bias.detach().to(probs.dtype)
+    if n_group > 1:
+        t, n_exp = choice.shape
+        groups = choice.view(t, n_group, n_exp // n_group)
+        group_scores = groups.topk(min(2, n_exp // n_group), dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = groups.masked_fill(~kept[:, :, None], -float("inf")).view(t, n_exp)
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = probs.gather(1, experts)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return weights, experts
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert (int64 (E,)), for a load-balancing loss or monitoring: a scatter-add on the
+    device, no host sync (torch.bincount reads the largest id on the host)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def load_balancing_loss(x: torch.Tensor, router_weight: torch.Tensor, experts: torch.Tensor,
+                        scoring: str = "softmax") -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, E * sum_e f_e * P_e (f_e the fraction of routed (token, slot) pairs
+    that chose expert e, P_e the mean router probability of e; sigmoid scores normalized per token first),
+    differentiable in x and router_weight through P; 1.0 when routing and probabilities are even. No host sync."""
+    logits = F.linear(x.reshape(-1, x.shape[-1]).float(), router_weight.float())
+    probs = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    if scoring != "softmax":  # sigmoid scores as shares of each token's total (DeepSeek-V3's balance loss)
+        probs = probs / probs.sum(-1, keepdim=True)
+    n_exp = router_weight.shape[0]
+    frac = expert_counts(experts, n_exp).float() / max(experts.numel(), 1)
+    return n_exp * (frac * probs.mean(0)).sum()
 
 
 def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize) -> tuple[int, int]:
@@ -544,6 +680,30 @@ def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renorm
     return n_exp, inter
 
 
+def _check_routing(n_exp, top_k, expert_bias, n_group, topk_group, routed_scaling_factor, x=None) -> None:
+    """Validate route's DeepSeek-V3 options."""
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (n_exp,) or \
+                not expert_bias.is_floating_point():
+            raise ValueError(f"expert_bias must be a float tensor of shape ({n_exp},) (one per expert), got "
+                             f"{tuple(expert_bias.shape) if isinstance(expert_bias, torch.Tensor) else expert_bias!r}")
+        if x is not None:
+            _validate.same_device(expert_bias, "expert_bias", x, "x")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or n_exp % n_group:
+        raise ValueError(f"n_group must be a positive int dividing the number of experts ({n_exp}), got {n_group!r}")
+    if n_group > 1:
+        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group must be an int between 1 and n_group ({n_group}) when n_group > 1, got "
+                             f"{topk_group!r}")
+        if top_k > topk_group * (n_exp // n_group):
+            raise ValueError(f"top_k ({top_k}) is more experts than topk_group ({topk_group}) groups of "
+                             f"{n_exp // n_group} hold")
+    elif topk_group not in (None, 1):
+        raise ValueError(f"topk_group ({topk_group}) needs n_group > 1")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a number, got {type(routed_scaling_factor).__name__}")
+
+
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:
     """x as (tokens, hidden) with any strides; leading dims that no single stride can walk are copied."""
     if x.dim() == 2:
@@ -559,7 +719,9 @@ def _first(out):
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-        top_k: int, *, scoring: str = "softmax", renormalize: bool = True, precision: str = "bf16") -> torch.Tensor:
+        top_k: int, *, scoring: str = "softmax", renormalize: bool = True, precision: str = "bf16",
+        expert_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: Optional[int] = None,
+        routed_scaling_factor: float = 1.0) -> torch.Tensor:
     """A mixture-of-experts SwiGLU MLP: ``sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``.
 
     x: (..., hidden); router_weight: (experts, hidden); gate_up_weight: (experts, 2 * intermediate, hidden), gate
@@ -567,33 +729,51 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     convention, as transformers' fused MoE experts store them). x and the expert weights float32, bfloat16 or
     float16 of one dtype, any strides; the router may be any float dtype. Routing: logits = x @ router_weight.T in
     fp32, probabilities by `scoring` ("softmax": Mixtral, Qwen3-MoE; "sigmoid": DeepSeek-V3), the top_k largest,
-    divided by their sum if `renormalize`. Returns (..., hidden) in x's dtype.
+    divided by their sum if `renormalize`; DeepSeek-V3's routing with `expert_bias` (E,) (added for the choice
+    only), `n_group` / `topk_group` (group-limited top-k) and `routed_scaling_factor`: see `route`. Returns
+    (..., hidden) in x's dtype.
 
     The router runs in torch ops; the experts are grouped GEMMs over the tokens sorted by expert (gather fused into
     the loads, SwiGLU and the routing weight fused into the epilogues, fp32 accumulation), with no host sync.
     Differentiable in x, router_weight (through the routing weights; the top-k choice is not differentiable),
     gate_up_weight and down_weight; the backward saves the gate/up pre-activations instead of recomputing them.
 
-    precision: "bf16" (the default: the GEMMs run in x's dtype, whatever it is) or "fp8": the two forward GEMMs
+    precision: "bf16" (the default: the GEMMs run in x's dtype, whatever it is); "fp8": the two forward GEMMs
     on float8_e4m3fn with rowwise scales (per token, per row of h, per expert output channel; see
-    `quantize_rows`), dequantized in their epilogues; the backward GEMMs run in x's dtype on the saved h and
-    gate/up pre-activations (a straight-through estimator of the quantization). "mxfp8" is not built yet.
+    `quantize_rows`), dequantized in their epilogues; "mxfp8": the two forward GEMMs on MXFP8 operands (e4m3, one
+    E8M0 scale per 32 elements along the reduction: `mxfp8_quantize`'s format; hidden and intermediate divisible
+    by 32), dequantized in the main loop (Hopper has no block-scaled MMA: each K step is multiplied as exact bf16
+    products with fp32 sums), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
+    With either fp8 precision the backward GEMMs run in x's dtype on the saved gate/up pre-activations (a
+    straight-through estimator of the quantization). Inside `keep_quantized_weights()` the weights' quantized
+    copies are reused across calls while the weights are unchanged.
     """
-    _n_exp, _inter = _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize)
+    n_exp, _inter = _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize)
+    _check_routing(n_exp, top_k, expert_bias, n_group, topk_group, routed_scaling_factor, x)
     _check_precision(precision)  # before routing; moe_experts checks the device
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
-    weights, experts = route(x2, router_weight, top_k, scoring, renormalize)
+    weights, experts = route(x2, router_weight, top_k, scoring, renormalize, expert_bias=expert_bias,
+                             n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
     return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision).view(x.shape)
 
 
-def _check_precision(precision, x: Optional[torch.Tensor] = None) -> None:
+def _check_precision(precision, x: Optional[torch.Tensor] = None, gate_up_weight: Optional[torch.Tensor] = None
+                     ) -> None:
+    """precision is one of PRECISIONS; with the tensors: fp8 tensor cores for "fp8", and for "mxfp8" (fp8 tensor
+    cores or the interpreter) hidden and intermediate sizes in whole 32-element MX blocks."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
-                         + (" (MXFP8 experts are not built yet)" if precision == "mxfp8" else ""))
-    if precision == "fp8" and x is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
-        raise TypeError(f"precision='fp8' needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if precision == "bf16" or x is None:
+        return
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise TypeError(f"precision={precision!r} needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    if precision == "mxfp8" and gate_up_weight is not None:
+        for name, size in (("hidden (x's last dim)", x.shape[-1]), ("intermediate", gate_up_weight.shape[1] // 2)):
+            if size % 32:
+                raise ValueError(f"precision='mxfp8' needs {name} divisible by the MX block size 32, got {size}; "
+                                 f"use precision='fp8' (rowwise scales) for this layer")
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
@@ -605,11 +785,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Te
     [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight (E, hidden, intermediate).
     Differentiable in x, weights, gate_up_weight and down_weight. Not validated here (the caller checked the
     layouts once): `moe` validates its arguments, then routes and calls this. precision as `moe`'s."""
-    _check_precision(precision, x)
+    _check_precision(precision, x, gate_up_weight)
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and x.dtype == torch.float32
     save = wants_grad(x, weights, gate_up_weight, down_weight)
     return dispatch(_moe_experts_op, moe_experts_fwd, _MoEExpertsFunction, 4,
-                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision == "fp8"),
+                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision),
                     pick=_first)
 
 
@@ -617,13 +797,20 @@ class MoE(torch.nn.Module):
     """A mixture-of-experts SwiGLU MLP running `kernelkit.moe`. Parameters as transformers' fused MoE blocks
     (MixtralSparseMoeBlock's state_dict): ``gate.weight`` (experts, hidden), ``experts.gate_up_proj``
     (experts, 2 * intermediate, hidden), ``experts.down_proj`` (experts, hidden, intermediate); initialized as
-    nn.Linear would each expert. Documented fallback: a CPU tensor outside the Triton interpreter runs `reference`."""
+    nn.Linear would each expert. DeepSeek-V3 routing: `expert_bias=True` adds the buffer
+    ``gate.e_score_correction_bias`` (E,) (zeros; a load balancer updates it), and n_group / topk_group /
+    routed_scaling_factor as `route`'s. Documented fallback: a CPU tensor outside the Triton interpreter runs
+    `reference`."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, scoring: str = "softmax",
-                 renormalize: bool = True, device=None, dtype=None, precision: str = "bf16"):
+                 renormalize: bool = True, device=None, dtype=None, precision: str = "bf16", *,
+                 expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
+                 routed_scaling_factor: float = 1.0):
         super().__init__()
         _check_precision(precision)
+        _check_routing(experts, top_k, None, n_group, topk_group, routed_scaling_factor)
         self.precision = precision
+        self.routing = {"n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": routed_scaling_factor}
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
         if not 1 <= top_k <= experts:
@@ -635,6 +822,9 @@ class MoE(torch.nn.Module):
         self.gate.weight = torch.nn.Parameter(torch.empty((experts, hidden), **kw))
         self.experts.gate_up_proj = torch.nn.Parameter(torch.empty((experts, 2 * intermediate, hidden), **kw))
         self.experts.down_proj = torch.nn.Parameter(torch.empty((experts, hidden, intermediate), **kw))
+        if expert_bias:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(experts, device=device,
+                                                                             dtype=torch.float32))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -646,7 +836,8 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k)
-        kw = {"scoring": self.scoring, "renormalize": self.renormalize}
+        kw = {"scoring": self.scoring, "renormalize": self.renormalize, **self.routing,
+              "expert_bias": getattr(self.gate, "e_score_correction_bias", None)}
         if x.device.type != "cuda" and not interpreting():
             return reference(*args, **kw)
         return moe(*args, **kw, precision=self.precision)
@@ -671,16 +862,16 @@ def experts_reference(x, weights, gate_up_weight, down_weight, experts):
     return out
 
 
-def reference(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+def reference(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True,
+              **routing):
     """Plain PyTorch: router logits in fp32 (fp64 for fp64 inputs), softmax or sigmoid, top-k, renormalized if
-    asked, then every expert in a Python loop over the tokens routed to it. Output in x's dtype."""
+    asked (and route's DeepSeek-V3 options in `routing`), then every expert in a Python loop over the tokens
+    routed to it. Output in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     logits = x2.to(acc) @ router_weight.to(acc).T
     probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = _select(probs, top_k, renormalize, **routing)
     return experts_reference(x2, weights, gate_up_weight, down_weight, experts).reshape(x.shape)
 
 

@@ -1,6 +1,6 @@
-"""kernelkit.moe with fp8 expert GEMMs as its own registry entry (`kernelkit check moe_fp8`, `bench moe_fp8`):
-the layer against `reference_fp8`, the quantized layer in float64. The implementation is `moe`'s
-(`precision="fp8"`, ops/moe.py); this file holds what checks it.
+"""kernelkit.moe with fp8 expert GEMMs as registry entries of their own (`kernelkit check moe_fp8 moe_mxfp8`,
+`bench moe_fp8`): the layer against `reference_fp8` / `reference_mxfp8`, the quantized layer in float64. The
+implementation is `moe`'s (`precision="fp8"` / `"mxfp8"`, ops/moe.py); this file holds what checks it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ._fp8 import quantize_rows_reference
-from .moe import cost, make_inputs, moe
+from .moe import cost, make_inputs, moe, route
+from .mxfp8 import reference_dequantize, reference_quantize
 from .registry import OpSpec, register
 
 
@@ -18,25 +19,38 @@ def reference_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scori
     expert weights quantized per row (`quantize_rows_reference`) and the experts computed in float64 on their
     dequantized values, each expert's h rounded to x's dtype and quantized per row before the down projection.
     Output in x's dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    logits = x2.float() @ router_weight.float().T
-    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-
     def dequantized(t):
         q, scale = quantize_rows_reference(t)
         return q.double() * scale.double().unsqueeze(-1)
 
+    return _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize, dequantized,
+                            lambda h: dequantized(h.to(x.dtype)))
+
+
+def reference_mxfp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+    """`moe(..., precision="mxfp8")` in plain PyTorch: the router on x unquantized; x and the expert weights
+    quantized to MXFP8 along their reduction dim (`mxfp8.reference_quantize`, the spec's conversion), the experts
+    in float64 on the dequantized values, each expert's h rounded to fp32 (the kernel's epilogue holds it in fp32)
+    and quantized to MXFP8 before the down projection. Output in x's dtype."""
+    def dequantized(t):
+        return reference_dequantize(*reference_quantize(t), out_dtype=torch.float32).double()
+
+    return _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize, dequantized,
+                            lambda h: dequantized(h.float()))
+
+
+def _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize, dequantized,
+                     dequantized_h):
+    x2 = x.reshape(-1, x.shape[-1])
+    weights, experts = route(x2.float(), router_weight, top_k, scoring, renormalize)
     xd, gud, dd = dequantized(x2), dequantized(gate_up_weight), dequantized(down_weight)
     out = torch.zeros(x2.shape, dtype=torch.float64, device=x.device)
     for e in range(gate_up_weight.shape[0]):
         token, slot = torch.where(experts == e)
         if token.numel():
             gate, up = (xd[token] @ gud[e].T).chunk(2, dim=-1)
-            h = (F.silu(gate) * up).to(x.dtype)
-            out.index_add_(0, token, (dequantized(h) @ dd[e].T) * weights[token, slot].double()[:, None])
+            h = dequantized_h(F.silu(gate) * up)
+            out.index_add_(0, token, (h @ dd[e].T) * weights[token, slot].double()[:, None])
     return out.to(x.dtype).reshape(x.shape)
 
 
@@ -62,3 +76,25 @@ register(OpSpec(
     doc="MoE layer with fp8 (e4m3, rowwise scales) forward GEMMs, against the quantized layer in float64.",
 ))
 
+
+
+def moe_mxfp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+    """`moe(..., precision="mxfp8")` (the registry's entry for `kernelkit check moe_mxfp8` / `bench moe_mxfp8`)."""
+    return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
+               precision="mxfp8")
+
+
+register(OpSpec(
+    name="moe_mxfp8", fn=moe_mxfp8, reference=reference_mxfp8, cost=cost, make_inputs=make_inputs,
+    # MX blocks are 32 wide: hidden and intermediate in whole blocks, token counts odd.
+    test_shapes=[(37, 64, 32, 4, 2), (5, 32, 64, 3, 1), (9, 32, 32, 8, 8)],
+    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
+                  (8192, 7168, 2048, 256, 8)],
+    generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 32, 32, 4, 2),
+    # Against the MX-quantized layer in float64: the products are exact (bf16 of the dequantized e4m3 values) and
+    # summed in fp32, and h is quantized from fp32 as in the reference, so an element of h lands on the other
+    # e4m3 neighbour only where fp32 and float64 sums straddle a rounding boundary; the output is then rounded
+    # once to x's dtype.
+    tolerances={"float32": 1e-3, "bfloat16": 2e-2, "float16": 1e-2},
+    doc="MoE layer with MXFP8 (e4m3, E8M0 per 32) forward GEMMs and a quantizing SwiGLU epilogue, vs float64.",
+))

@@ -110,19 +110,17 @@ def _block_tile(M, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     return rows, blk, cols, blk_ok, blk_ok[:, :, None]
 
 
-@autotune(_configs(), key=["K", "EMAX", "HW_CAST"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def mxfp8_quantize_kernel(X, DATA, SCALES, M, K, stride_x, stride_d, stride_s,
-                          EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_NORMAL: tl.constexpr,
-                          HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, blk, cols, blk_ok, mask = _block_tile(M, K, ROWS, BLOCK_K)
-    x = tl.load(X + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+def mx_encode(x, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_NORMAL: tl.constexpr,
+              HW_CAST: tl.constexpr):
+    """(element bits uint8, scale codes int32) of fp32 x shaped (..., blocks, 32): the section 6.3 conversion
+    of each 32-element block (the quantizer's and the MoE SwiGLU epilogue's)."""
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=-1)
     exp = amax_bits >> 23  # biased exponent of the amax: 0 for zero/subnormal, 255 for Inf/NaN
     code = tl.where(exp == 255, 255, tl.maximum(exp - EMAX, 0))
     # 1 / X = 2^(127 - code): a normal fp32 for every finite code, so the scaling is exact.
     inv_scale = ((254 - tl.minimum(code, 254)) << 23).to(tl.float32, bitcast=True)
-    v = x * inv_scale[:, :, None]
+    v = x * tl.expand_dims(inv_scale, -1)
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
     if HW_CAST:
         if BIAS == 7:
@@ -131,7 +129,25 @@ def mxfp8_quantize_kernel(X, DATA, SCALES, M, K, stride_x, stride_d, stride_s,
             bits = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         bits = _encode_fp8(v, MBITS, BIAS)
-    bits = tl.where((code == 255)[:, :, None], 0x7F, bits).to(tl.uint8)  # ELEM_NAN
+    bits = tl.where(tl.expand_dims(code == 255, -1), 0x7F, bits).to(tl.uint8)  # ELEM_NAN
+    return bits, code
+
+
+@triton.jit
+def e8m0_to_fp32(code):
+    """X = 2^(code - 127) in fp32 for E8M0 codes: code 0 is the fp32 subnormal 2^-127, code 255 is NaN."""
+    c = code.to(tl.int32)
+    return tl.where(c == 255, 0x7FC00000, tl.where(c == 0, 0x00400000, c << 23)).to(tl.float32, bitcast=True)
+
+
+@autotune(_configs(), key=["K", "EMAX", "HW_CAST"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def mxfp8_quantize_kernel(X, DATA, SCALES, M, K, stride_x, stride_d, stride_s,
+                          EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_NORMAL: tl.constexpr,
+                          HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, blk, cols, blk_ok, mask = _block_tile(M, K, ROWS, BLOCK_K)
+    x = tl.load(X + rows[:, None, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    bits, code = mx_encode(x, EMAX, MBITS, BIAS, MAX_NORMAL, HW_CAST)
     tl.store(DATA + rows[:, None, None] * stride_d + cols, bits, mask=mask)
     tl.store(SCALES + rows[:, None] * stride_s + blk[None, :], code.to(tl.uint8), mask=blk_ok)
 
@@ -151,9 +167,7 @@ def mxfp8_dequantize_kernel(DATA, SCALES, OUT, M, K, stride_d, stride_s, stride_
             val = bits.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
         val = _decode_fp8(bits, MBITS, BIAS)
-    # X = 2^(code - 127); code 0 is the fp32 subnormal 2^-127, code 255 is NaN.
-    scale_bits = tl.where(code == 255, 0x7FC00000, tl.where(code == 0, 0x00400000, code << 23))
-    out = val * scale_bits.to(tl.float32, bitcast=True)[:, :, None]
+    out = val * e8m0_to_fp32(code)[:, :, None]
     tl.store(OUT + rows[:, None, None] * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -83,6 +83,11 @@ def _jit_function(kernel: str):
     return obj
 
 
+def _tail(msg: str) -> str:
+    """A compile error's source excerpt is long and its reason comes last: keep the start and the end."""
+    return msg if len(msg) <= 1200 else msg[:400] + " [...] " + msg[-800:]
+
+
 def compile_records(records: list, arch: int = 90) -> list[str]:
     """Compile each recorded launch for `arch` in this (non-interpreting) process; return failures."""
     import triton
@@ -111,7 +116,7 @@ def compile_records(records: list, arch: int = 90) -> list[str]:
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
             triton.compile(src, target=GPUTarget("cuda", arch, 32), options=r["options"])
         except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel
-            failures.append(f"{r['kernel']} {r['options']}: {type(e).__name__}: {str(e)[:600]}")
+            failures.append(f"{r['kernel']} {r['options']}: {type(e).__name__}: {_tail(str(e))}")
     return failures
 
 
