@@ -14,12 +14,19 @@ Rows per shape:
     kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
                        allocated once outside the timing)
     kernelkit_fp8      the same on e4m3 x and weights quantized per row beforehand, dequantized in the epilogue
+    kernelkit_mxfp8    the same on MXFP8 x and weights (E8M0 per 32 along K) quantized beforehand, dequantized in
+                       the main loop (MX_MODE "dequant"; _promote: fp8 MMAs per 32-wide block, scaled partial
+                       sums; tl.dot_scaled measured 0.46x of dequant); _quantized_h: the epilogue writes h as
+                       MXFP8 (the fused quantization's overhead is reported in % of the GEMM)
+    quantize_rows_h    rowwise fp8's separate quantization pass over h (its overhead in % of kernelkit_fp8)
     torch._scaled_grouped_mm_fp8   torch's rowwise fp8 grouped GEMM on the pre-gathered rows
     torch._grouped_mm  the same GEMM on the pre-gathered x (the gather not timed), no epilogue (writes gate|up)
     dense mm           one torch.mm of the same FLOPs: (T·k, H) @ (H, 2I)
   whole layer, forward and forward+backward (all four inputs require grad), FLOPs 2·T·k·3·I·H (x3 with backward):
     kernelkit          kernelkit.moe
     kernelkit_fp8      kernelkit.moe(..., precision="fp8"): quantization of x, both weights and h included
+    kernelkit_mxfp8    kernelkit.moe(..., precision="mxfp8"): the same for MXFP8 (h quantized in the epilogue)
+    *_kept             forward only: inside keep_quantized_weights(), the weights' copies made once and reused
     grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
     per-expert loop    kernelkit.ops.moe.reference in bf16 (one torch.where and two F.linear per expert, HF-style)
 Each: triton.testing.do_bench median (L2 flushed before every run), TFLOP/s and % of the datasheet bf16 dense
@@ -43,6 +50,7 @@ from triton.testing import do_bench
 import kernelkit
 from kernelkit.hw import lookup
 from kernelkit.ops import moe as M
+from kernelkit.ops.mxfp8 import mxfp8_dequantize
 from kernelkit.ops import registry
 from kernelkit.testing.poison import empty
 from kernelkit.tune import chosen_configs
@@ -141,14 +149,58 @@ def gate_up_rows(label, shape, args, rep, peak):
     M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
     measure(row, "kernelkit_fp8", lambda: M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows,
                                                           epilogue="swiglu", a_scale=xs, b_scale=gus), flops, rep, peak)
+    # MXFP8 operands quantized beforehand; h written in bf16, then written as MXFP8 by the epilogue itself (the
+    # fused quantization's cost is the difference), for kernelkit's dequantizing K step and tl.dot_scaled's.
+    xm, xms = M.mxfp8_quantize(x)
+    gum, gums = M.mxfp8_quantize(gate_up)
+    hq = empty((t * k, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    hs = empty((t * k, inter // 32), dtype=torch.uint8, device=x.device)
+    default = M.MX_MODE
+    for name, mode in (("kernelkit_mxfp8", "dequant"), ("kernelkit_mxfp8_promote", "promote")):
+        M.MX_MODE = mode
+        try:
+            for out, scales, suffix in ((h, None, ""), (hq, hs, "_quantized_h")):
+                call = (lambda o, sc: lambda: M._grouped_gemm(xm, gum.transpose(1, 2), o, offs, inter, a_idx=rows,
+                                                              epilogue="swiglu", a_scale=xms, b_scale=gums, mx=True,
+                                                              c_scales=sc))(out, scales)
+                try:
+                    call()  # tuning, outside the timing
+                except Exception:  # noqa: BLE001 - measure records the error
+                    pass
+                measure(row, name + suffix, call, flops, rep, peak)
+            # correctness at the tuned tiles: h against torch._grouped_mm on the dequantized operands (exact in
+            # bf16, so the same products), and the quantized h against the quantizer's reference on that h
+            try:
+                ref = torch._grouped_mm(mxfp8_dequantize(xm, xms)[rows], mxfp8_dequantize(gum, gums).transpose(1, 2),
+                                        offs=offs[1:]).float()
+                ref = F.silu(ref[:, :inter]) * ref[:, inter:]
+                M._grouped_gemm(xm, gum.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xms,
+                                b_scale=gums, mx=True)
+                row[f"{name}_h_max_rel_err"] = max_rel(h, ref)
+                M._grouped_gemm(xm, gum.transpose(1, 2), hq, offs, inter, a_idx=rows, epilogue="swiglu",
+                                a_scale=xms, b_scale=gums, mx=True, c_scales=hs)
+                back = mxfp8_dequantize(hq, hs, torch.float32)
+                row[f"{name}_quantized_h_max_rel_err"] = max_rel(back, ref)
+                del ref, back
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_h_max_rel_err"] = f"{type(e).__name__}: {e}"[:200]
+        finally:
+            M.MX_MODE = default
+    # rowwise fp8's h quantization is a pass of its own (the row's amax spans every N tile): its time alone
+    measure(row, "quantize_rows_h", lambda: M.quantize_rows(h), flops, rep, peak)
     xq_perm, xs_perm = xq[rows], xs[rows]
     measure(row, "torch._scaled_grouped_mm_fp8", lambda: torch._scaled_grouped_mm(
         xq_perm, guq.transpose(1, 2), xs_perm, gus, offs=offs[1:], out_dtype=torch.bfloat16), flops, rep, peak)
     ratios(row, ("torch._grouped_mm", "dense_mm"))
-    if "ms" in row.get("kernelkit_fp8", {}):
-        for other in ("kernelkit", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8"):
-            if "ms" in row.get(other, {}):
-                row[f"kernelkit_fp8_x_{other}"] = row[other]["ms"] / row["kernelkit_fp8"]["ms"]
+    for mine in ("kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_mxfp8_promote"):
+        if "ms" in row.get(mine, {}):
+            for other in ("kernelkit", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8", "kernelkit_fp8"):
+                if other != mine and "ms" in row.get(other, {}):
+                    row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
+            if "ms" in row.get(mine + "_quantized_h", {}):  # the fused quantization's cost, in % of the GEMM
+                row[f"{mine}_quantize_h_overhead_pct"] = 100 * (row[mine + "_quantized_h"]["ms"] / row[mine]["ms"] - 1)
+    if "ms" in row.get("kernelkit_fp8", {}) and "ms" in row.get("quantize_rows_h", {}):
+        row["kernelkit_fp8_quantize_h_overhead_pct"] = 100 * row["quantize_rows_h"]["ms"] / row["kernelkit_fp8"]["ms"]
     return row
 
 
@@ -159,8 +211,16 @@ def layer_rows(label, shape, scoring, args, rep, peak):
     kw = {"scoring": scoring}
     leaves = [a.detach().requires_grad_() for a in (x, router, gate_up, down)]
     dy = torch.randn_like(x)
+    def kept(precision):  # weights quantized once, reused while unchanged (inference; forward rows only)
+        def run(*a, **kw):
+            with M.keep_quantized_weights():
+                return kernelkit.moe(*a, **kw, precision=precision)
+        return run
+
     impls = {"kernelkit": kernelkit.moe, "kernelkit_fp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8"),
+             "kernelkit_mxfp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="mxfp8"),
              "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
+    fwd_only = {"kernelkit_fp8_kept": kept("fp8"), "kernelkit_mxfp8_kept": kept("mxfp8")}
     fwd_flops = 2.0 * t * k * 3 * inter * hidden
     start = time.perf_counter()
     torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
@@ -171,10 +231,15 @@ def layer_rows(label, shape, scoring, args, rep, peak):
                "tune_s": tune_s}
         if label.endswith("-decode"):
             row["weight_bytes"] = (gate_up.numel() + down.numel()) * gate_up.element_size() * (1 if mode == "fwd" else 3)
-        for name, fn in impls.items():
+        for name, fn in (impls | fwd_only if mode == "fwd" else impls).items():
             if mode == "fwd":
                 call = (lambda f: lambda: f(x, router, gate_up, down, k, **kw))(fn)
                 with torch.no_grad():
+                    if name in fwd_only:  # the copies made once, outside the timing, and kept across its calls
+                        with M.keep_quantized_weights():
+                            call()
+                            measure(row, name, call, flops, rep, peak)
+                        continue
                     measure(row, name, call, flops, rep, peak)
             else:
                 call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
@@ -188,21 +253,26 @@ def layer_rows(label, shape, scoring, args, rep, peak):
             except Exception as e:  # noqa: BLE001
                 row["max_rel_err_vs_grouped_mm_layer"] = f"{type(e).__name__}: {e}"[:200]
         ratios(row, ("grouped_mm_layer", "per_expert_loop"))
-        if "ms" in row.get("kernelkit_fp8", {}) and "ms" in row.get("kernelkit", {}):
-            row["kernelkit_fp8_x_kernelkit"] = row["kernelkit"]["ms"] / row["kernelkit_fp8"]["ms"]
+        for mine in ("kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_fp8_kept", "kernelkit_mxfp8_kept"):
+            for other in ("kernelkit", "grouped_mm_layer", "per_expert_loop"):
+                if "ms" in row.get(mine, {}) and "ms" in row.get(other, {}):
+                    row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
         yield row
 
 
 def describe(row):
     parts = []
-    for name in ("kernelkit", "kernelkit_fp8", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8", "dense_mm",
-                 "grouped_mm_layer", "per_expert_loop"):
+    for name in ("kernelkit", "kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_mxfp8_quantized_h",
+                 "kernelkit_mxfp8_promote", "kernelkit_mxfp8_promote_quantized_h", "quantize_rows_h",
+                 "kernelkit_fp8_kept", "kernelkit_mxfp8_kept", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8",
+                 "dense_mm", "grouped_mm_layer", "per_expert_loop"):
         if name in row:
             r = row[name]
             gbps = f" {r['weight_gbps']:.0f} GB/s" if "weight_gbps" in r else ""
             parts.append(f"{name} " + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TF/s{gbps} {r['peak_mb']:.0f} MB"
                                        if "ms" in r else r["error"][:80]))
     xs = [f"{k[len('kernelkit_'):]} {v:.2f}x" for k, v in row.items() if k.startswith("kernelkit_") and "_x_" in k]
+    xs += [f"{k} {v:.1f}%" for k, v in row.items() if k.endswith("_overhead_pct")]
     return " | ".join(parts) + (" | kernelkit vs " + ", ".join(xs) if xs else "")
 
 
@@ -212,6 +282,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="Mixtral and Qwen3 shapes only")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--rows", default="gate_up,layer", help="which rows: gate_up, layer or both (comma-separated)")
     a = ap.parse_args()
     names = a.shapes.split(",") if a.shapes else list(QUICK if a.quick else SHAPES)
     spec = registry.get("moe")
@@ -220,14 +291,15 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
             "dtype": "bfloat16", "bf16_peak_tflops_datasheet": peak, "grouped_mm": hasattr(torch, "_grouped_mm")}
     rows = []
-    plan = len(names) * 3
+    plan = len(names) * (("gate_up" in a.rows) + 2 * ("layer" in a.rows))
     i = 0
     for label in names:
         shape, scoring = SHAPES[label]
         gen = torch.Generator(device="cuda").manual_seed(0)
         args, _ = spec.make_inputs(shape, torch.bfloat16, "cuda", gen)
-        for rows_of_shape in ([gate_up_rows(label, shape, args, a.rep, peak)],
-                              layer_rows(label, shape, scoring, args, a.rep, peak)):
+        kinds = a.rows.split(",")
+        for rows_of_shape in (([gate_up_rows(label, shape, args, a.rep, peak)] if "gate_up" in kinds else []),
+                              (layer_rows(label, shape, scoring, args, a.rep, peak) if "layer" in kinds else [])):
             for row in rows_of_shape:
                 i += 1
                 rows.append(row)

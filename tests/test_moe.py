@@ -439,9 +439,11 @@ def test_quantize_rows_kernel_compiles_for_sm90():
 
 # --- precision="mxfp8": E8M0 scales per 32 elements along K, h quantized in the SwiGLU epilogue ---
 
+@pytest.mark.parametrize("mode", ["dequant", "promote"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 64, 32, 4, 2), (29, 32, 96, 3, 1), (9, 96, 64, 8, 8)])
-def test_mxfp8_forward_against_float64_of_the_quantized_layer(shape, dtype, device):
+def test_mxfp8_forward_against_float64_of_the_quantized_layer(shape, dtype, mode, device, monkeypatch):
+    monkeypatch.setattr(M, "MX_MODE", mode)
     # Odd token counts, top-1, top-2 and every expert for every token; experts of several 16-row tiles, K of
     # one to three MX blocks, intermediate of one to three 32-column quantization tiles.
     x, router, gu, down, k = _inputs(shape, dtype, device, seed=shape[0])
@@ -584,7 +586,7 @@ def test_routing_options_are_validated(device):
 
 
 def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
-    # The MXFP8 grouped GEMM (both K-step variants: kernelkit's dequantization and tl.dot_scaled) with the
+    # The MXFP8 grouped GEMM (every K-step variant: kernelkit's dequantization, tl.dot_scaled, promotion) with the
     # Hopper tiles the autotuner picks from, compiled for sm_90: the interpreter runs only 16-row tiles.
     from kernelkit.testing import compile_check
     from tests.conftest import INTERPRET
@@ -599,8 +601,8 @@ def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
     assert len(gemms) == 2
     variants = []
     for r in gemms:
-        for mx_dot in (False, True):
-            v = {**r, "args": {**r["args"], "MX_DOT": {"value": mx_dot}, "BLOCK_M": {"value": 128},
+        for mode in M.MX_MODES:
+            v = {**r, "args": {**r["args"], "MX_MODE": {"value": mode}, "BLOCK_M": {"value": 128},
                                "BLOCK_N": {"value": 128}, "BLOCK_K": {"value": 64}},
                  "options": {"num_warps": 8, "num_stages": 3}}
             variants.append(v)

@@ -31,6 +31,7 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from . import _validate
+from .mxfp8 import e8m0_to_fp32
 from ._fp8 import (HW_FP8_CAST, drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
                    mx_dequant, quantize_rows, quantize_rows_reference, quantized_weight)
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
@@ -94,20 +95,25 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _mx_dot(a, sa, bt, sb, acc, BN: tl.constexpr, BK: tl.constexpr, MX_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + A @ W^T for an MXFP8 K step: a (BM, BK) already dequantized unless MX_DOT, bt (BN, BK) e4m3 with
-    its E8M0 codes sb (BN, BK / 32)."""
-    if MX_DOT:
+def _mx_dot(a, sa, bt, sb, acc, BN: tl.constexpr, BK: tl.constexpr, MX_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + A @ W^T for an MXFP8 K step: a (BM, BK) (dequantized already for MX_MODE "dequant") with its E8M0
+    codes sa (BM, BK / 32), bt (BN, BK) e4m3 with its codes sb (BN, BK / 32)."""
+    if MX_MODE == "dot_scaled":
         # (its fp8 operands go in as their bytes: Triton 3.6 asserts on an fp8e4nv tensor here)
         acc = tl.dot_scaled(a.to(tl.uint8, bitcast=True), sa, "e4m3", tl.trans(bt).to(tl.uint8, bitcast=True), sb,
                             "e4m3", acc)
+    elif MX_MODE == "promote":  # BK == 32: one block, its product scaled per row and column
+        if UPCAST:
+            bt = bt.to(tl.float32)
+        factor = e8m0_to_fp32(tl.reshape(sa, (sa.shape[0], 1))) * e8m0_to_fp32(tl.reshape(sb, (1, BN)))
+        acc += tl.dot(a, tl.trans(bt)) * factor
     else:
         acc = tl.dot(a, tl.trans(mx_dequant(bt, sb, BN, BK, UPCAST)), acc)
     return acc
 
 
 @autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "SCALES",
-                                "Q_OUT"],
+                                "Q_OUT", "MX_MODE"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
@@ -120,7 +126,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                             OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
                             EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
                             HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                            B_TMA: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, MX_DOT: tl.constexpr,
+                            B_TMA: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, MX_MODE: tl.constexpr,
                             E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
     """C[r] = epilogue(A[r] @ W[e(r)]) for the rows r of every expert. EPILOGUE "none" (times the row's routing
@@ -135,7 +141,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     the quantization the down GEMM's A needs, done on the fp32 tile before it leaves registers."""
     # An fp8 tl.dot takes K >= 32 a step, and MX blocks are 32 wide: the interpreter's 16-wide config steps by 32
     # there (as it does when CI compiles the interpreter's launches for sm_90); Q_OUT quantizes 32-column blocks.
-    BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K
+    BK: tl.constexpr = 32 if (SCALES != "" and BLOCK_K < 32) or MX_MODE == "promote" else BLOCK_K
     BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
     pid = tl.program_id(0)
     # The grid covers an upper bound of row tiles known on the host without reading the counts: every expert
@@ -174,9 +180,11 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
         b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
                                            block_shape=[1, BN, BK])
     if SCALES == "mx":
-        # MXFP8: no block-scaled MMA on Hopper, so each K step's fp8 tiles are dequantized in registers (times
-        # 2^(code - 127) per 32 elements, exact in bf16) and multiplied as bf16 (MX_DOT: the same through
-        # tl.dot_scaled, Triton's emulation of it). W's rows come as (BN, BK) tiles, K-contiguous.
+        # MXFP8: Hopper has no block-scaled MMA. MX_MODE "dequant": each K step's fp8 tiles are dequantized in
+        # registers (times 2^(code - 127) per 32 elements, exact in bf16) and multiplied as bf16; "dot_scaled": the
+        # same through tl.dot_scaled (Triton's emulation); "promote": one 32-wide MX block a step, multiplied on the
+        # fp8 tensor cores into a fresh fp32 tile that is scaled by its row's and column's factors and added to the
+        # accumulator. W's rows come as (BN, BK) tiles, K-contiguous.
         kb_ar = tl.arange(0, BK // 32)
         sa_ptrs = A_SCALE + a_rows[:, None] * stride_as
         sb_ptrs = B_SCALE + e.to(tl.int64) * stride_bse + rn64[:, None] * stride_bsn
@@ -195,9 +203,6 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                 bt = b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK)
             else:
                 bt = tl.load(bt_ptrs + kk64[None, :] * stride_bk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if not MX_DOT:
-                a = mx_dequant(a, sa, BLOCK_M, BK, INTERPRETER_DOT)
-            acc = _mx_dot(a, sa, bt, sb, acc, BN, BK, MX_DOT, INTERPRETER_DOT)
             if EPILOGUE == "swiglu":
                 su = tl.load(sb_ptrs + N * stride_bsn + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=127)
                 if B_TMA:
@@ -205,7 +210,13 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                 else:
                     ut = tl.load(bt_ptrs + N * stride_bn + kk64[None, :] * stride_bk,
                                  mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc_up = _mx_dot(a, sa, ut, su, acc_up, BN, BK, MX_DOT, INTERPRETER_DOT)
+            if MX_MODE == "dequant":
+                a = mx_dequant(a, sa, BLOCK_M, BK, INTERPRETER_DOT)
+            elif MX_MODE == "promote" and INTERPRETER_DOT:
+                a = a.to(tl.float32)
+            acc = _mx_dot(a, sa, bt, sb, acc, BN, BK, MX_MODE, INTERPRETER_DOT)
+            if EPILOGUE == "swiglu":
+                acc_up = _mx_dot(a, sa, ut, su, acc_up, BN, BK, MX_MODE, INTERPRETER_DOT)
         elif B_TMA:
             b = tl.trans(b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK))
             if INTERPRETER_DOT:
@@ -346,12 +357,13 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
         bs_e, bs_n = b_scale.stride(0), b_scale.stride(1)
     else:
         bs_e, bs_n = (b_scale.stride(0), 1) if b_scale is not None else (0, 0)
-    mx_dot = mx and MX_DOT and weight.is_cuda
+    # the interpreter has no dot_scaled
+    mx_mode = "" if not mx else "dequant" if MX_MODE == "dot_scaled" and not weight.is_cuda else MX_MODE
     min_bn = 32 if q_out else 1
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
            ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, scales, q_out, mx_dot),
+            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, scales, q_out, mx_mode),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
@@ -362,12 +374,15 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
            offs, rows, n, k, e, bucket,
            EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
            STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
-           SCALES=scales, Q_OUT=q_out, MX_DOT=mx_dot, E_P2=max(16, next_pow2(e)))
+           SCALES=scales, Q_OUT=q_out, MX_MODE=mx_mode, E_P2=max(16, next_pow2(e)))
 
 
-# MXFP8 K steps through tl.dot_scaled (Triton's own bf16 emulation on Hopper) instead of kernelkit's dequantization;
-# the interpreter has no dot_scaled. KERNELKIT_MX_DOT_SCALED=1 selects it.
-MX_DOT = os.environ.get("KERNELKIT_MX_DOT_SCALED", "0") == "1"
+# How the grouped GEMM multiplies MXFP8 K steps (see the kernel): "dequant", "dot_scaled" or "promote";
+# KERNELKIT_MX_MODE overrides the default.
+MX_MODES = ("dequant", "dot_scaled", "promote")
+MX_MODE = os.environ.get("KERNELKIT_MX_MODE", "dequant")
+if MX_MODE not in MX_MODES:
+    raise ValueError(f"KERNELKIT_MX_MODE must be one of {', '.join(MX_MODES)}, got {MX_MODE!r}")
 
 
 # The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
