@@ -439,7 +439,7 @@ def test_quantize_rows_kernel_compiles_for_sm90():
 
 # --- precision="mxfp8": E8M0 scales per 32 elements along K, h quantized in the SwiGLU epilogue ---
 
-@pytest.mark.parametrize("mode", ["dequant", "promote"])
+@pytest.mark.parametrize("mode", ["upcast", "dequant", "promote"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 64, 32, 4, 2), (29, 32, 96, 3, 1), (9, 96, 64, 8, 8)])
 def test_mxfp8_forward_against_float64_of_the_quantized_layer(shape, dtype, mode, device, monkeypatch):

@@ -125,11 +125,13 @@ def drop_quantized_weights() -> None:
 
 
 def quantized_weight(w: torch.Tensor, fmt: str):
-    """(q, scales) of w for fmt "fp8" (`quantize_rows`) or "mxfp8" (`mxfp8_quantize`), reused from an earlier call
-    inside `keep_quantized_weights` while w is unchanged."""
-    from .mxfp8 import mxfp8_quantize
+    """(q, scales) of w for fmt "fp8" (`quantize_rows`) or "mxfp8" (`mxfp8_quantize`), or (its MXFP8 values
+    dequantized to bf16, None) for "mxfp8_bf16"; reused from an earlier call inside `keep_quantized_weights` while
+    w is unchanged."""
+    from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
-    quantize = quantize_rows if fmt == "fp8" else mxfp8_quantize
+    quantize = {"fp8": quantize_rows, "mxfp8": mxfp8_quantize,
+                "mxfp8_bf16": lambda t: (mxfp8_dequantize(*mxfp8_quantize(t), torch.bfloat16), None)}[fmt]
     if not _KEEP[0] or torch.is_inference(w):  # inference tensors have no version counter to watch
         return quantize(w)
     stamp = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)

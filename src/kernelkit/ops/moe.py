@@ -36,7 +36,7 @@ from ._fp8 import (HW_FP8_CAST, drop_quantized_weights, keep_quantized_weights, 
                    mx_dequant, quantize_rows, quantize_rows_reference, quantized_weight)
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
-from .mxfp8 import mx_encode, mxfp8_quantize
+from .mxfp8 import mx_encode, mxfp8_dequantize, mxfp8_quantize
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
@@ -357,8 +357,10 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
         bs_e, bs_n = b_scale.stride(0), b_scale.stride(1)
     else:
         bs_e, bs_n = (b_scale.stride(0), 1) if b_scale is not None else (0, 0)
-    # the interpreter has no dot_scaled
-    mx_mode = "" if not mx else "dequant" if MX_MODE == "dot_scaled" and not weight.is_cuda else MX_MODE
+    # MXFP8 operands given to the kernel: its K-loop modes ("upcast" does not reach here with MX operands; the
+    # interpreter has no dot_scaled)
+    mx_mode = "" if not mx else MX_MODE if MX_MODE in ("dequant", "promote") or (
+        MX_MODE == "dot_scaled" and weight.is_cuda) else "dequant"
     min_bn = 32 if q_out else 1
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
@@ -377,10 +379,11 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
            SCALES=scales, Q_OUT=q_out, MX_MODE=mx_mode, E_P2=max(16, next_pow2(e)))
 
 
-# How the grouped GEMM multiplies MXFP8 K steps (see the kernel): "dequant", "dot_scaled" or "promote";
+# How the MXFP8 path multiplies: "upcast" (operands dequantized to bf16 by their own passes, then bf16 GEMMs; see
+# moe_experts_fwd) or inside the grouped GEMM's K loop, "dequant", "dot_scaled" or "promote" (see the kernel);
 # KERNELKIT_MX_MODE overrides the default.
-MX_MODES = ("dequant", "dot_scaled", "promote")
-MX_MODE = os.environ.get("KERNELKIT_MX_MODE", "dequant")
+MX_MODES = ("upcast", "dequant", "dot_scaled", "promote")
+MX_MODE = os.environ.get("KERNELKIT_MX_MODE", "upcast")
 if MX_MODE not in MX_MODES:
     raise ValueError(f"KERNELKIT_MX_MODE must be one of {', '.join(MX_MODES)}, got {MX_MODE!r}")
 
@@ -465,10 +468,21 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     w_rows = weights.reshape(-1)[order].float()
     if precision == "mxfp8":
         xq, xs = mxfp8_quantize(x)
-        guq, gus = quantized_weight(gate_up_weight, "mxfp8")
-        dq, ds = quantized_weight(down_weight, "mxfp8")
         hq = empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
         hs = empty((rows, inter // 32), dtype=torch.uint8, device=x.device)
+        if MX_MODE == "upcast":
+            # The MXFP8 operands dequantized to bf16 (exact) by memory-bound passes, the GEMMs on bf16 tensor cores:
+            # the same products and fp32 sums as the in-loop modes, without redoing each tile's dequantization for
+            # every tile of the other operand. h still leaves the epilogue as MXFP8.
+            gud, _ = quantized_weight(gate_up_weight, "mxfp8_bf16")
+            dd, _ = quantized_weight(down_weight, "mxfp8_bf16")
+            _grouped_gemm(mxfp8_dequantize(xq, xs, torch.bfloat16), gud.transpose(1, 2), hq, offs, inter,
+                          a_idx=tokens, z=z if save else None, epilogue="swiglu", c_scales=hs)
+            _grouped_gemm(mxfp8_dequantize(hq, hs, torch.bfloat16), dd.transpose(1, 2), y, offs, hidden,
+                          c_idx=order, scale=w_rows)
+            return _sum_slots(y, t, k), x.new_empty(0), z, order, offs
+        guq, gus = quantized_weight(gate_up_weight, "mxfp8")
+        dq, ds = quantized_weight(down_weight, "mxfp8")
         _grouped_gemm(xq, guq.transpose(1, 2), hq, offs, inter, a_idx=tokens, z=z if save else None,
                       epilogue="swiglu", a_scale=xs, b_scale=gus, mx=True, c_scales=hs)
         _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds,
