@@ -49,6 +49,7 @@ from triton.testing import do_bench
 
 import kernelkit
 from kernelkit.hw import lookup
+from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops.mxfp8 import mxfp8_dequantize
 from kernelkit.ops import registry
@@ -155,7 +156,7 @@ def gate_up_rows(label, shape, args, rep, peak):
     gum, gums = M.mxfp8_quantize(gate_up)
     hq = empty((t * k, inter), dtype=torch.float8_e4m3fn, device=x.device)
     hs = empty((t * k, inter // 32), dtype=torch.uint8, device=x.device)
-    default = M.MX_MODE
+    default = G.MX_MODE
     bf = torch.bfloat16
     gud = mxfp8_dequantize(gum, gums, bf)
     # MX_MODE "upcast" (the default): the operands dequantized to bf16 by their own passes (inside the timing;
@@ -184,9 +185,9 @@ def gate_up_rows(label, shape, args, rep, peak):
         del ref
     except Exception as e:  # noqa: BLE001
         row["kernelkit_mxfp8_upcast_quantized_h_max_rel_err"] = f"{type(e).__name__}: {e}"[:200]
-    del gud
+    gud = None  # the bf16 copy freed before the next rows
     for name, mode in (("kernelkit_mxfp8_dequant", "dequant"),):
-        M.MX_MODE = mode
+        G.MX_MODE = mode
         try:
             for out, scales, suffix in ((h, None, ""), (hq, hs, "_quantized_h")):
                 call = (lambda o, sc: lambda: M._grouped_gemm(xm, gum.transpose(1, 2), o, offs, inter, a_idx=rows,
@@ -214,7 +215,7 @@ def gate_up_rows(label, shape, args, rep, peak):
             except Exception as e:  # noqa: BLE001
                 row[f"{name}_h_max_rel_err"] = f"{type(e).__name__}: {e}"[:200]
         finally:
-            M.MX_MODE = default
+            G.MX_MODE = default
     # rowwise fp8's h quantization is a pass of its own (the row's amax spans every N tile): its time alone
     measure(row, "quantize_rows_h", lambda: M.quantize_rows(h), flops, rep, peak)
     xq_perm, xs_perm = xq[rows], xs[rows]

@@ -7,6 +7,7 @@ import json
 import torch
 from triton.testing import do_bench
 
+from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops import registry
 
@@ -28,7 +29,7 @@ def main():
         flops = 2.0 * t * k * hidden * 2 * inter
         out = {}
         for tma in (True, False, True):
-            M.B_TMA = tma
+            G.B_TMA = tma
 
             def run():
                 M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=tokens, epilogue="swiglu")

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops import registry
 from kernelkit.testing import check
@@ -14,14 +15,14 @@ SPEC = registry.get("moe")
 @pytest.fixture
 def tma_calls(monkeypatch):
     calls = []
-    original = M._b_tma
+    original = G._b_tma
 
     def spy(weight):
         got = original(weight)
         calls.append((tuple(weight.shape), got))
         return got
 
-    monkeypatch.setattr(M, "_b_tma", spy)
+    monkeypatch.setattr(G, "_b_tma", spy)
     return calls
 
 
@@ -46,7 +47,7 @@ def test_gate_up_and_down_through_tma(dtype, device, tma_calls):
 def test_tma_and_pointer_paths_agree(device, monkeypatch):
     args = _inputs((50, 64, 32, 4, 2), torch.bfloat16, device, seed=2)
     tma = M.moe(*args)
-    monkeypatch.setattr(M, "B_TMA", False)
+    monkeypatch.setattr(G, "B_TMA", False)
     ptr = M.moe(*args)
     torch.testing.assert_close(tma.float(), ptr.float(), rtol=1e-2, atol=1e-2)
 

@@ -1,0 +1,402 @@
+"""The MoE layer's Triton kernels and their launchers: the grouped GEMM over experts (gather, SwiGLU, routing
+weight, scatter, rowwise fp8 and MXFP8 operands, the MXFP8-writing epilogue) and the per-expert wgrad.
+ops/moe.py composes them into the layer (see its docstring for the data flow).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
+from ._fp8 import HW_FP8_CAST, mx_dequant
+from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile
+from .mxfp8 import e8m0_to_fp32, mx_encode
+
+
+def _gemm_configs() -> list:
+    # The first config is the interpreter's: 16-row tiles split the test shapes' experts (5-20 rows each) into
+    # several tiles with ragged tails. The rest are Hopper GEMM tiles as in linear.py, plus 16/32-row tiles for
+    # few tokens per expert (decode, or 256 experts), where a 128-row tile would be mostly padding.
+    cfgs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8}, num_stages=2, num_warps=4)]
+    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
+                                      (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
+                                      (64, 256, 64, 3, 8), (32, 128, 64, 4, 4), (16, 128, 128, 4, 4),
+                                      (128, 128, 128, 3, 8), (64, 128, 128, 4, 4)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_stages=stages, num_warps=warps))
+    return cfgs
+
+
+def _prune_gemm(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    # The SwiGLU epilogues keep two fp32 accumulators (gate and up): 128x256 of each spills registers.
+    if args.get("EPILOGUE") == "swiglu":
+        return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    return configs
+
+
+def _wgrad_configs() -> list:
+    cfgs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8}, num_stages=2, num_warps=4)]
+    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 32, 4, 8), (64, 128, 64, 4, 4),
+                                      (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 256, 64, 3, 8)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_stages=stages, num_warps=warps))
+    return cfgs
+
+
+@triton.jit
+def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, expert's end row) of row tile `tile`; expert >= E past the last real tile.
+
+    The tile map is computed here, per program, from the E + 1 row offsets rather than on the host: its tile
+    counts depend on BLOCK_M, which is autotuned, and E <= 256 offsets are one vector load, a prefix sum and a
+    compare (a branch-free search: the expert is the number of experts whose tiles end at or before `tile`;
+    an empty expert owns no tile and is skipped)."""
+    es = tl.arange(0, E_P2)
+    real = es < E
+    start = tl.load(OFFS + es, mask=real, other=0)
+    end = tl.load(OFFS + es + 1, mask=real, other=0)
+    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(n_tiles, 0)
+    e = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    mine = es == e
+    first_tile = tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)
+    row0 = tl.sum(tl.where(mine, start, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(mine, end, 0), 0)
+    return e, row0, row_end
+
+
+@triton.jit
+def _mx_dot(a, sa, bt, sb, acc, BN: tl.constexpr, BK: tl.constexpr, MX_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + A @ W^T for an MXFP8 K step: a (BM, BK) (dequantized already for MX_MODE "dequant") with its E8M0
+    codes sa (BM, BK / 32), bt (BN, BK) e4m3 with its codes sb (BN, BK / 32)."""
+    if MX_MODE == "dot_scaled":
+        # (its fp8 operands go in as their bytes: Triton 3.6 asserts on an fp8e4nv tensor here)
+        acc = tl.dot_scaled(a.to(tl.uint8, bitcast=True), sa, "e4m3", tl.trans(bt).to(tl.uint8, bitcast=True), sb,
+                            "e4m3", acc)
+    elif MX_MODE == "promote":  # BK == 32: one block, its product scaled per row and column
+        if UPCAST:
+            bt = bt.to(tl.float32)
+        factor = e8m0_to_fp32(tl.reshape(sa, (sa.shape[0], 1))) * e8m0_to_fp32(tl.reshape(sb, (1, BN)))
+        acc += tl.dot(a, tl.trans(bt)) * factor
+    else:
+        acc = tl.dot(a, tl.trans(mx_dequant(bt, sb, BN, BK, UPCAST)), acc)
+    return acc
+
+
+@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "SCALES",
+                                "Q_OUT", "MX_MODE"],
+          prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
+@triton.jit
+def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
+                            B, stride_be, stride_bk, stride_bn,  # expert e's weight read as (K, N) [(K, 2N): swiglu]
+                            C, C_IDX, stride_cm, stride_cn,  # C (rows, N) [(rows, 2N): swiglu_bwd]; row r at C_IDX[r]
+                            Z, stride_zm, stride_zn,  # gate | up pre-activations (rows, 2N)
+                            SCALE,  # routing weight per row (HAS_SCALE)
+                            AUX, stride_aux,  # swiglu_bwd: (rows, N tiles) partial sums of dh * h; Q_OUT: C's scales
+                            A_SCALE, stride_as, B_SCALE, stride_bse, stride_bsn,  # SCALES: A's and B's (see below)
+                            OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
+                            EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            B_TMA: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, MX_MODE: tl.constexpr,
+                            E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr):
+    """C[r] = epilogue(A[r] @ W[e(r)]) for the rows r of every expert. EPILOGUE "none" (times the row's routing
+    weight with HAS_SCALE); "swiglu": silu(gate) * up of the (K, 2N) weight's two halves, storing the
+    pre-activations in Z with STORE_Z; "swiglu_bwd": A @ W is dh/w, Z holds (gate, up): stores d(gate, up) of
+    h = silu(gate) * up at dh = w * (A @ W) and this tile's share of the routing weight's gradient <A @ W, h>.
+
+    SCALES: "" (A and W in x's dtype); "rowwise" (float8_e4m3fn A and W, A_SCALE one fp32 per A row, B_SCALE
+    (E, N') one per output channel: dequantized in the epilogue); "mx" (MXFP8: E8M0 codes per 32 elements along
+    K, A_SCALE (A rows, K / 32), B_SCALE (E, N', K / 32): dequantized in the main loop, see below).
+    Q_OUT (swiglu): h is stored as MXFP8, e4m3 bits in C (a uint8 view) and its E8M0 codes in AUX (rows, N / 32):
+    the quantization the down GEMM's A needs, done on the fp32 tile before it leaves registers."""
+    # An fp8 tl.dot takes K >= 32 a step, and MX blocks are 32 wide: the interpreter's 16-wide config steps by 32
+    # there (as it does when CI compiles the interpreter's launches for sm_90); Q_OUT quantizes 32-column blocks.
+    BK: tl.constexpr = 32 if (SCALES != "" and BLOCK_K < 32) or MX_MODE == "promote" else BLOCK_K
+    BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
+    pid = tl.program_id(0)
+    # The grid covers an upper bound of row tiles known on the host without reading the counts: every expert
+    # adds at most one partial tile to cdiv(ROWS, BLOCK_M). Programs past the real tiles exit at once.
+    grid_m = tl.cdiv(ROWS, BLOCK_M) + E
+    grid_n = tl.cdiv(N, BN)
+    # Grouped order: the weight tiles of an expert with several row tiles are read from L2, not once per row tile.
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
+    e, row0, row_end = _expert_of_tile(OFFS, pid_m, E, E_P2, BLOCK_M)
+    if e >= E:
+        return
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    m_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rn64 = rn.to(tl.int64)
+    if GATHER_A:  # the permutation fused into the loads: row r of the group is token A_IDX[r]
+        a_rows = tl.load(A_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+    else:
+        a_rows = rows64
+    a_ptrs = A + a_rows[:, None] * stride_am
+    w = B + e.to(tl.int64) * stride_be
+    b_ptrs = w + rn64[None, :] * stride_bn
+    b_up = w + (rn64 + N)[None, :] * stride_bn  # the up half; the compiler drops it unless EPILOGUE is swiglu
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    if B_TMA:
+        # The experts' weights in nn.Linear's (out, in) layout are K-contiguous: a pointer-loaded (K, N) tile of
+        # them is the layout the dense GEMM lost 25% on (see ops/linear.py). Here they come through one 3-D
+        # descriptor over (E, N rows [2N: gate | up], K) as (BN, BLOCK_K) boxes the MMA takes transposed;
+        # boxes past an expert's rows or K read zeros. The gathered A rows stay pointer loads.
+        NT = 2 * N if EPILOGUE == "swiglu" else N
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
+                                           block_shape=[1, BN, BK])
+    if SCALES == "mx":
+        # MXFP8: Hopper has no block-scaled MMA. MX_MODE "dequant": each K step's fp8 tiles are dequantized in
+        # registers (times 2^(code - 127) per 32 elements, exact in bf16) and multiplied as bf16; "dot_scaled": the
+        # same through tl.dot_scaled (Triton's emulation); "promote": one 32-wide MX block a step, multiplied on the
+        # fp8 tensor cores into a fresh fp32 tile that is scaled by its row's and column's factors and added to the
+        # accumulator. W's rows come as (BN, BK) tiles, K-contiguous.
+        kb_ar = tl.arange(0, BK // 32)
+        sa_ptrs = A_SCALE + a_rows[:, None] * stride_as
+        sb_ptrs = B_SCALE + e.to(tl.int64) * stride_bse + rn64[:, None] * stride_bsn
+        bt_ptrs = w + rn64[:, None] * stride_bn
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        kk64 = kk.to(tl.int64)
+        a = tl.load(a_ptrs + kk64[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALES == "mx":
+            kb = k0 // 32 + kb_ar
+            kb_ok = kb < K // 32
+            sa = tl.load(sa_ptrs + kb[None, :], mask=m_ok[:, None] & kb_ok[None, :], other=127)
+            sb = tl.load(sb_ptrs + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=127)
+            if B_TMA:
+                bt = b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK)
+            else:
+                bt = tl.load(bt_ptrs + kk64[None, :] * stride_bk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if EPILOGUE == "swiglu":
+                su = tl.load(sb_ptrs + N * stride_bsn + kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=127)
+                if B_TMA:
+                    ut = b_desc.load([e, N + pid_n * BN, k0]).reshape(BN, BK)
+                else:
+                    ut = tl.load(bt_ptrs + N * stride_bn + kk64[None, :] * stride_bk,
+                                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if MX_MODE == "dequant":
+                a = mx_dequant(a, sa, BLOCK_M, BK, INTERPRETER_DOT)
+            elif MX_MODE == "promote" and INTERPRETER_DOT:
+                a = a.to(tl.float32)
+            acc = _mx_dot(a, sa, bt, sb, acc, BN, BK, MX_MODE, INTERPRETER_DOT)
+            if EPILOGUE == "swiglu":
+                acc_up = _mx_dot(a, sa, ut, su, acc_up, BN, BK, MX_MODE, INTERPRETER_DOT)
+        elif B_TMA:
+            b = tl.trans(b_desc.load([e, pid_n * BN, k0]).reshape(BN, BK))
+            if INTERPRETER_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if EPILOGUE == "swiglu":  # gate columns past N read up rows here: never stored (n_ok)
+                u = tl.trans(b_desc.load([e, N + pid_n * BN, k0]).reshape(BN, BK))
+                if INTERPRETER_DOT:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+        else:
+            b = tl.load(b_ptrs + kk64[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc, acc_up = gate_up_step(a, b, acc, acc_up, b_up + kk64[:, None] * stride_bk,
+                                       k_ok[:, None] & n_ok[None, :], EPILOGUE == "swiglu", INTERPRETER_DOT,
+                                       INPUT_PRECISION)
+
+    if SCALES == "rowwise":  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
+        sa = tl.load(A_SCALE + a_rows, mask=m_ok, other=0.0)[:, None]
+        b_scales = B_SCALE + e.to(tl.int64) * stride_bse + rn64
+        acc = acc * sa * tl.load(b_scales, mask=n_ok, other=0.0)[None, :]
+        if EPILOGUE == "swiglu":
+            acc_up = acc_up * sa * tl.load(b_scales + N, mask=n_ok, other=0.0)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    c_cols = rn64[None, :] * stride_cn
+    z_ptrs = Z + rows64[:, None] * stride_zm + rn64[None, :] * stride_zn
+    if EPILOGUE == "swiglu":
+        if STORE_Z:
+            tl.store(z_ptrs, acc.to(Z.dtype.element_ty), mask=mask)
+            tl.store(z_ptrs + N * stride_zn, acc_up.to(Z.dtype.element_ty), mask=mask)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif EPILOGUE == "swiglu_bwd":
+        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(z_ptrs + N * stride_zn, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
+        tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
+        dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+        tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
+                 mask=mask)
+        acc = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    if HAS_SCALE and EPILOGUE != "swiglu_bwd":
+        acc = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+    if SCATTER_C:  # each row to its (token, slot) position: one writer per row, so no atomics
+        c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+    else:
+        c_rows = rows64
+    if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
+        bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
+        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
+                 mask=m_ok[:, None] & (kb < N // 32)[None, :])
+    else:
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@autotune(_wgrad_configs(), key=["ROWS_BUCKET", "M", "N", "E"])
+@triton.jit
+def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row r at A_IDX[r], times SCALE[r]
+                     B, B_IDX, stride_br, stride_bn,  # B (rows, N): row r at B_IDX[r] with GATHER_B
+                     C, stride_ce, stride_cm, stride_cn,  # dW (E, M, N)
+                     OFFS, M, N, E, ROWS_BUCKET,
+                     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """dW[e] = A[rows of e]^T @ B[rows of e]: one (M, N) tile of one expert per program, reducing over that
+    expert's rows (none for an empty expert, whose gradient is then written as zeros)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (grid_m * grid_n)
+    t = pid % (grid_m * grid_n)
+    pid_m, pid_n = grouped_tile(t, grid_m, grid_n, GROUP_M)
+    start = tl.load(OFFS + e)
+    end = tl.load(OFFS + e + 1)
+
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rr = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rr < end
+        if GATHER_A:
+            a_rows = tl.load(A_IDX + rr, mask=r_ok, other=0).to(tl.int64)
+        else:
+            a_rows = rr.to(tl.int64)
+        if GATHER_B:
+            b_rows = tl.load(B_IDX + rr, mask=r_ok, other=0).to(tl.int64)
+        else:
+            b_rows = rr.to(tl.int64)
+        # A^T's tile loaded as (M, rows) directly: the transpose is in the pointers, not a copy.
+        a = tl.load(A + a_rows[None, :] * stride_ar + rm[:, None] * stride_am, mask=m_ok[:, None] & r_ok[None, :],
+                    other=0.0)
+        if HAS_SCALE:
+            s = tl.load(SCALE + rr, mask=r_ok, other=0.0)
+            a = (a.to(tl.float32) * s[None, :]).to(A.dtype.element_ty)
+        b = tl.load(B + b_rows[:, None] * stride_br + rn[None, :] * stride_bn, mask=r_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        if INTERPRETER_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    tl.store(C + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+             acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --- launchers ---
+
+# Columns of the routing-weight gradient's partial sums: one per N tile of the smallest BLOCK_N a config has.
+_ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.configs)
+
+
+def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
+                  epilogue="none", precision=None, a_scale=None, b_scale=None, mx=False, c_scales=None):
+    """c = epilogue(a[rows] @ weight[e]) for the expert groups `offs`; weight is an (E, K, N') view (N' = 2n
+    for swiglu) read through its strides. fp8 a and weight take a_scale and b_scale: rowwise, one fp32 per row
+    of a (as a_idx indexes it) and (E, N') contiguous along N'; with `mx`, E8M0 codes per 32 elements along K,
+    (rows of a, K / 32) and (E, N', K / 32) contiguous along K. c_scales (rows, n / 32) uint8 (swiglu): h is
+    stored as MXFP8, its e4m3 bits in c (float8_e4m3fn or uint8) and its codes in c_scales."""
+    scales = "" if a_scale is None else "mx" if mx else "rowwise"
+    q_out = c_scales is not None
+    rows, e, k = c.shape[0] if c_idx is None else c_idx.shape[0], weight.shape[0], weight.shape[1]
+    zz = z if z is not None else c
+    # Not a borrowed argument: the autotuner zeroes AUX around its timing runs (reset_to_zero).
+    aux = c_scales if q_out else rowdot if rowdot is not None else torch.empty(1, dtype=torch.float32,
+                                                                                device=c.device)
+    if q_out:
+        c = c.view(torch.uint8)
+    bucket = next_pow2(rows)
+    b_tma = _b_tma(weight)
+    if b_tma and weight.is_cuda:
+        ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
+    if mx:  # b_scale (E, N', K / 32) as the weight's (E, K, N') view is transposed: its row stride is dim 1's
+        bs_e, bs_n = b_scale.stride(0), b_scale.stride(1)
+    else:
+        bs_e, bs_n = (b_scale.stride(0), 1) if b_scale is not None else (0, 0)
+    # MXFP8 operands given to the kernel: its K-loop modes ("upcast" does not reach here with MX operands; the
+    # interpreter has no dot_scaled)
+    mx_mode = "" if not mx else MX_MODE if MX_MODE in ("dequant", "promote") or (
+        MX_MODE == "dot_scaled" and weight.is_cuda) else "dequant"
+    min_bn = 32 if q_out else 1
+    grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
+    launch(moe_grouped_gemm_kernel, grid,
+           ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
+            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, scales, q_out, mx_mode),
+           a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
+           weight, weight.stride(0), weight.stride(1), weight.stride(2),
+           c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
+           zz, zz.stride(0), zz.stride(-1),
+           scale if scale is not None else c,
+           aux, aux.stride(0),
+           a_scale if scales else aux, a_scale.stride(0) if scales else 0, b_scale if scales else aux, bs_e, bs_n,
+           offs, rows, n, k, e, bucket,
+           EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
+           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
+           SCALES=scales, Q_OUT=q_out, MX_MODE=mx_mode, E_P2=max(16, next_pow2(e)))
+
+
+# How the MXFP8 path multiplies: "upcast" (operands dequantized to bf16 by their own passes, then bf16 GEMMs; see
+# moe_experts_fwd) or inside the grouped GEMM's K loop, "dequant", "dot_scaled" or "promote" (see the kernel);
+# KERNELKIT_MX_MODE overrides the default.
+MX_MODES = ("upcast", "dequant", "dot_scaled", "promote")
+MX_MODE = os.environ.get("KERNELKIT_MX_MODE", "upcast")
+if MX_MODE not in MX_MODES:
+    raise ValueError(f"KERNELKIT_MX_MODE must be one of {', '.join(MX_MODES)}, got {MX_MODE!r}")
+
+
+# The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
+# base and outer strides, on a Hopper-or-newer GPU or in the interpreter. KERNELKIT_GEMM_TMA=0 turns it off.
+B_TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
+
+
+def _b_tma(weight: torch.Tensor) -> bool:
+    """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
+    if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
+        return False
+    if weight.is_cuda:
+        if torch.cuda.get_device_capability(weight.device)[0] < 9:
+            return False
+    elif not interpreting():
+        return False
+    esize = weight.element_size()
+    e, k, n = weight.shape
+    s_e, s_n = weight.stride(0), weight.stride(2)
+    return (weight.data_ptr() % 16 == 0 and s_n >= k and (s_e >= n * s_n or e == 1)
+            and (s_e * esize) % 16 == 0 and (s_n * esize) % 16 == 0)
+
+
+def _wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):
+    """c[e] = a[rows of e]^T @ b[rows of e] for every expert; c (E, M, N) any strides."""
+    e, m, n = c.shape
+    rows = a.shape[0] if a_idx is None else a_idx.shape[0]
+    bucket = next_pow2(rows)
+    grid = lambda meta: (e * cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    launch(moe_wgrad_kernel, grid,
+           ("wgrad", bucket, m, n, e, a.dtype, c.dtype, a_idx is not None, b_idx is not None, scale is not None,
+            precision),
+           a, a_idx if a_idx is not None else offs, scale if scale is not None else c, a.stride(0), a.stride(1),
+           b, b_idx if b_idx is not None else offs, b.stride(0), b.stride(1),
+           c, c.stride(0), c.stride(1), c.stride(2),
+           offs, m, n, e, bucket,
+           GATHER_A=a_idx is not None, GATHER_B=b_idx is not None, HAS_SCALE=scale is not None,
+           INPUT_PRECISION=precision)
