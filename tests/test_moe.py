@@ -611,3 +611,26 @@ def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
             variants.append(v)
     failures = compile_check.compile_in_subprocess(variants)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 64, 48, 6, 2), (301, 128, 96, 16, 4)])
+def test_gpu_wgrads_through_grouped_mm_match_the_triton_kernel(shape, monkeypatch):
+    # bf16 on Hopper: the weight gradients come from torch._grouped_mm; odd token counts (group boundaries at any
+    # row) and two experts left empty, whose gradients must be exactly zero (written, not left as poison).
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the torch._grouped_mm wgrads run on sm_90 only")
+    args = _inputs(shape, torch.bfloat16, "cuda", seed=shape[0])
+    args[0][:, 1] = -8.0
+    args[0][:, 4] = -7.5
+    assert (_counts(args)[[1, 4]] == 0).all()
+    grads = {}
+    for path in ("grouped_mm", "triton"):
+        monkeypatch.setattr(M, "CUBLAS_WGRADS", path == "grouped_mm")
+        leaves = [a.detach().clone().requires_grad_() for a in args[:4]]
+        with poisoned_outputs():
+            M.moe(*leaves, args[4]).float().square().sum().backward()
+        grads[path] = [leaves[2].grad, leaves[3].grad]
+    for got, want in zip(grads["grouped_mm"], grads["triton"]):
+        assert not got[[1, 4]].any() and torch.isfinite(got).all()
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

@@ -12,13 +12,15 @@ contiguous group, with no Python loop over experts and no host sync (the host ne
   epilogue (gate column j and up column I + j in one tile), h written in x's dtype;
 - down GEMM: the routing weight multiplied in the epilogue, each row stored at its (token, slot) position;
   the combine is then a sum over the k slots of each token (deterministic, no atomics anywhere).
-The backward reuses the grouped GEMM for the two dgrads (the weights read through transposed strides) and
-has a second kernel for the per-expert wgrads (each program loops over its expert's rows); the SwiGLU
-backward and the routing weight's gradient ride the down-dgrad's epilogue.
+The backward reuses the grouped GEMM for the two dgrads (the weights read through transposed strides); the
+per-expert wgrads are torch._grouped_mm's K-grouped GEMM for bf16 on Hopper and kernelkit's wgrad kernel
+otherwise (each program loops over its expert's rows); the SwiGLU backward and the routing weight's gradient ride
+the down-dgrad's epilogue.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -124,6 +126,20 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
     return _sum_slots(y, t, k), h, z, order, offs
 
 
+# The weight gradients through torch._grouped_mm (CUTLASS's grouped GEMM with the groups along K: the wgrads of a
+# torch._grouped_mm layer) where it is exact for this layer: bf16, 16-byte aligned rows, and Hopper, where its empty
+# groups come back as zeros (pytorch/pytorch#172439: not on Blackwell). KERNELKIT_MOE_WGRAD=triton keeps kernelkit's
+# per-expert kernel everywhere.
+CUBLAS_WGRADS = os.environ.get("KERNELKIT_MOE_WGRAD", "grouped_mm") != "triton"
+
+
+def _cublas_wgrads(x, gate_up_weight, down_weight) -> bool:
+    return (CUBLAS_WGRADS and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and gate_up_weight.dtype == down_weight.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and x.shape[1] % 8 == 0 and gate_up_weight.shape[1] % 16 == 0)
+
+
 def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32: bool = False,
                     needs=(True, True, True, True)):
     """Gradients (dx, dweights, dgate_up, ddown) of the expert part (None where `needs` says so)."""
@@ -151,14 +167,21 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             _grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
             dx = _sum_slots(dxr, t, k)
         if needs[2]:
-            dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
-            _wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
+            if _cublas_wgrads(x, gate_up_weight, down_weight):
+                dgu = torch._grouped_mm(dz.t(), x[tokens], offs=offs[1:])
+            else:
+                dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
+                _wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
     if needs[3]:
-        dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
-        if rows:
-            _wgrad(dout, h, dd, offs, a_idx=tokens, scale=w_rows, precision=precision)
+        if rows and _cublas_wgrads(x, gate_up_weight, down_weight):
+            scaled = (dout[tokens].float() * w_rows[:, None]).to(dout.dtype)  # rounded as the Triton wgrad rounds
+            dd = torch._grouped_mm(scaled.t(), h, offs=offs[1:])
         else:
-            dd.zero_()
+            dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
+            if rows:
+                _wgrad(dout, h, dd, offs, a_idx=tokens, scale=w_rows, precision=precision)
+            else:
+                dd.zero_()
     if rows == 0:  # no pair routed: every gradient is zero
         dx = x.new_zeros(x.shape) if needs[0] else None
         dw = weights.new_zeros(weights.shape) if needs[1] else None
