@@ -235,7 +235,7 @@ def gate_up_rows(label, shape, args, rep, peak):
     return row
 
 
-def layer_rows(label, shape, scoring, args, rep, peak):
+def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd")):
     """The forward row, then the forward+backward row (a generator: each is reported as it is done)."""
     x, router, gate_up, down, k = args
     t, hidden, inter, _, _ = shape
@@ -258,6 +258,8 @@ def layer_rows(label, shape, scoring, args, rep, peak):
     torch.cuda.synchronize()
     tune_s = round(time.perf_counter() - start, 2)
     for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
+        if mode not in modes:
+            continue
         row = {"kind": f"layer_{mode}", "shape": label, "dims": list(shape), "scoring": scoring, "flops": flops,
                "tune_s": tune_s}
         if label.endswith("-decode"):
@@ -275,6 +277,14 @@ def layer_rows(label, shape, scoring, args, rep, peak):
             else:
                 call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
                 measure(row, name, call, flops, rep, peak)
+        if mode == "fwd+bwd":
+            def tw():
+                M.CUBLAS_WGRADS = False
+                try:
+                    return torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
+                finally:
+                    M.CUBLAS_WGRADS = True
+            measure(row, "kernelkit_triton_wgrads", tw, flops, rep, peak)
         if mode == "fwd":
             try:
                 with torch.no_grad():
@@ -293,7 +303,7 @@ def layer_rows(label, shape, scoring, args, rep, peak):
 
 def describe(row):
     parts = []
-    for name in ("kernelkit", "kernelkit_fp8",
+    for name in ("kernelkit", "kernelkit_triton_wgrads", "kernelkit_fp8",
                  "kernelkit_mxfp8_dequant", "kernelkit_mxfp8_dequant_quantized_h", "kernelkit_mxfp8_upcast",
                  "kernelkit_mxfp8_upcast_kept", "kernelkit_quantized_h", "quantize_rows_h",
                  "kernelkit_fp8_kept", "kernelkit_mxfp8_kept", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8",
@@ -331,7 +341,9 @@ def main():
         args, _ = spec.make_inputs(shape, torch.bfloat16, "cuda", gen)
         kinds = a.rows.split(",")
         for rows_of_shape in (([gate_up_rows(label, shape, args, a.rep, peak)] if "gate_up" in kinds else []),
-                              (layer_rows(label, shape, scoring, args, a.rep, peak) if "layer" in kinds else [])):
+                              (layer_rows(label, shape, scoring, args, a.rep, peak,
+                                          ("fwd", "fwd+bwd") if "layer" in kinds else ("fwd+bwd",))
+                               if "layer" in kinds or "layer_bwd" in kinds else [])):
             for row in rows_of_shape:
                 i += 1
                 rows.append(row)

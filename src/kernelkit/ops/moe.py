@@ -130,11 +130,16 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
 # torch._grouped_mm layer) where it is exact for this layer: bf16, 16-byte aligned rows, and Hopper, where its empty
 # groups come back as zeros (pytorch/pytorch#172439: not on Blackwell). KERNELKIT_MOE_WGRAD=triton keeps kernelkit's
 # per-expert kernel everywhere.
+# Measured on the H100 (moe/moe-wgrad-bwd.json): faster for large experts (Mixtral's 117M and DeepSeek-V3's 29M
+# gate-up elements each: layer fwd+bwd 1.18x / 1.16x), slower for Qwen3-30B-A3B's 3M (0.91x): used from
+# CUBLAS_WGRAD_MIN elements of one expert's gate-up weight.
 CUBLAS_WGRADS = os.environ.get("KERNELKIT_MOE_WGRAD", "grouped_mm") != "triton"
+CUBLAS_WGRAD_MIN = 1 << 23
 
 
 def _cublas_wgrads(x, gate_up_weight, down_weight) -> bool:
     return (CUBLAS_WGRADS and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and gate_up_weight[0].numel() >= CUBLAS_WGRAD_MIN
             and gate_up_weight.dtype == down_weight.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) == (9, 0)
             and x.shape[1] % 8 == 0 and gate_up_weight.shape[1] % 16 == 0)
