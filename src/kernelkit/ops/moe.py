@@ -336,8 +336,9 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     on float8_e4m3fn with rowwise scales (per token, per row of h, per expert output channel; see
     `quantize_rows`), dequantized in their epilogues; "mxfp8": the two forward GEMMs on MXFP8 operands (e4m3, one
     E8M0 scale per 32 elements along the reduction: `mxfp8_quantize`'s format; hidden and intermediate divisible
-    by 32), dequantized in the main loop (Hopper has no block-scaled MMA: each K step is multiplied as exact bf16
-    products with fp32 sums), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
+    by 32) multiplied exactly (Hopper has no block-scaled MMA: the dequantized values are exact in bf16, and bf16
+    MMAs with fp32 sums compute their products; by default the operands are dequantized by their own passes, see
+    `_moe_gemm.MX_MODE`), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
     With either fp8 precision the backward GEMMs run in x's dtype on the saved gate/up pre-activations (a
     straight-through estimator of the quantization). Inside `keep_quantized_weights()` the weights' quantized
     copies are reused across calls while the weights are unchanged.
