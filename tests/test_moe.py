@@ -137,7 +137,18 @@ def test_no_host_sync(device, monkeypatch):
     # Nothing on the host reads device data: no .item()/.tolist()/bool()/int() of a tensor, no copy to the CPU.
     x, r, gu, d, k = (a.requires_grad_() if isinstance(a, torch.Tensor) else a
                       for a in _inputs((11, 16, 12, 4, 2), torch.float32, device, seed=10))
-    M.moe(x, r, gu, d, k).sum().backward()  # first call: autotuning may synchronize (on the GPU)
+    # The quantized paths at MX-sized dims (hidden and intermediate multiples of 32).
+    q_args = [a.requires_grad_() if isinstance(a, torch.Tensor) else a
+              for a in _inputs((11, 32, 32, 4, 2), torch.float32, device, seed=10)]
+    precisions = ("fp8", "mxfp8") if device == "cpu" or torch.cuda.get_device_capability() >= (8, 9) else ()
+
+    def quantized_calls():
+        for precision in precisions:
+            with M.keep_quantized_weights():
+                M.moe(*q_args, precision=precision).sum().backward()
+
+    M.moe(x, r, gu, d, k).sum().backward()  # first calls: autotuning may synchronize (on the GPU)
+    quantized_calls()
     state = {"armed": True}
     real_launch = G.launch
 
@@ -158,10 +169,12 @@ def test_no_host_sync(device, monkeypatch):
         return method
 
     monkeypatch.setattr(G, "launch", launch)
+    monkeypatch.setattr(MX, "launch", launch)  # the MXFP8 quantizer's launches
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, guarded(name))
     y = M.moe(x, r, gu, d, k)
     torch.autograd.backward(y, torch.ones_like(y))
+    quantized_calls()
     w, idx = M.route(x, r, k, "sigmoid", expert_bias=torch.zeros(4, device=device), n_group=2, topk_group=1)
     M.load_balancing_loss(x, r, idx).backward()
     state["armed"] = False
