@@ -648,3 +648,20 @@ def test_gpu_wgrads_through_grouped_mm_match_the_triton_kernel(shape, monkeypatc
     for got, want in zip(grads["grouped_mm"], grads["triton"]):
         assert not got[[1, 4]].any() and torch.isfinite(got).all()
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+def test_nn_moe_deepseek_routing(device):
+    # DeepSeek-V3's options on the module: HF's bias buffer name, the routing as `route`'s, the reference's output.
+    m = M.MoE(32, 16, 8, 2, scoring="sigmoid", device=device, expert_bias=True, n_group=4, topk_group=2,
+              routed_scaling_factor=2.5)
+    assert "gate.e_score_correction_bias" in m.state_dict() and not m.gate.e_score_correction_bias.any()
+    with torch.no_grad():
+        m.gate.e_score_correction_bias.copy_(torch.randn(8, device=device) * 0.05)
+    x = torch.randn(13, 32, device=device)
+    want = M.reference(x.double(), m.gate.weight.double(), m.experts.gate_up_proj.double(),
+                       m.experts.down_proj.double(), 2, scoring="sigmoid",
+                       expert_bias=m.gate.e_score_correction_bias.double(), n_group=4, topk_group=2,
+                       routed_scaling_factor=2.5)
+    torch.testing.assert_close(m(x).double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="n_group must be a positive int dividing"):
+        M.MoE(32, 16, 8, 2, n_group=3)
