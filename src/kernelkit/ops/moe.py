@@ -171,15 +171,18 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             dxr = empty((rows, hidden), dtype=x.dtype, device=x.device)
             _grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
             dx = _sum_slots(dxr, t, k)
+            del dxr
         if needs[2]:
             if _cublas_wgrads(x, gate_up_weight, down_weight):
                 dgu = torch._grouped_mm(dz.t(), x[tokens], offs=offs[1:])
             else:
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
                 _wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
+        del dz, rowdot  # freed before the down weight's gradient is allocated: the two never coexist
     if needs[3]:
         if rows and _cublas_wgrads(x, gate_up_weight, down_weight):
-            scaled = (dout[tokens].float() * w_rows[:, None]).to(dout.dtype)  # rounded as the Triton wgrad rounds
+            # in place: computed in fp32 and rounded once to dout's dtype, as the Triton wgrad rounds, with no fp32 copy
+            scaled = dout[tokens].mul_(w_rows[:, None])
             dd = torch._grouped_mm(scaled.t(), h, offs=offs[1:])
         else:
             dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
