@@ -532,6 +532,12 @@ register(OpSpec(
     # A broadcast router gives every expert the same logit: the top-k of exact ties is arbitrary, and the kernel
     # path and the float64 reference may pick different experts (a routing, not a kernel, difference).
     layout_skip=((1, "expanded"),),
+    # x expanded: every token is the same, routes to the same experts, and the bf16 rounding of h and of the
+    # expert outputs repeats identically in every token, so its error reaches the router's gradient coherently
+    # (through the softmax Jacobian's cancellation) instead of averaging out. Over 40 fresh grad_outputs in the
+    # interpreter the router gradient's error reached 5.8e-2 in norm, as it did before this tolerance existed
+    # (make demo failed once at 2.8e-2 against 2e-2). A wrong routing weight or expert is off by O(1).
+    layout_tolerances={"args[0] expanded": {"bfloat16": 8e-2}},
     layout_shape=(13, 16, 12, 4, 2),
     # The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: through the chain's four bf16
     # roundings (h, the expert outputs, d(gate, up), the weighted dout) that measured up to 1.05e-2 against

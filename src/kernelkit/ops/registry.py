@@ -46,6 +46,9 @@ class OpSpec:
     # where the spec sets it: e.g. a broadcast LM-head weight makes every class alike, so the reference
     # gradient of the hidden states is exactly zero and a relative error against it means nothing.
     layout_skip: tuple[tuple[int, str], ...] = ()
+    # Per-layout tolerance overrides, each with its reason where the spec sets it: the case's description prefix
+    # ("args[0] expanded") -> {dtype name: tolerance}.
+    layout_tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
     # The shape the layout fuzz uses (default: the smallest test shape with every size above 1).
     layout_shape: tuple | None = None
 

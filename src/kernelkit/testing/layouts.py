@@ -114,10 +114,13 @@ def check_layouts(spec, dtype, device, shape=None, layouts=LAYOUTS) -> tuple[Che
     case of `spec`. Returns the merged report (failures prefixed by the case) and the number of cases."""
     dtype = as_dtype(dtype)
     merged, count = CheckReport(), 0
-    tol = spec.tolerances.get(str(dtype).replace("torch.", ""))
+    name = str(dtype).replace("torch.", "")
+    tol = spec.tolerances.get(name)
     for what, args, kwargs in layout_cases(spec, dtype, device, shape, layouts):
         count += 1
-        rep = check(spec.fn, spec.reference, args, kwargs, grad_args=spec.grad_args, tol=tol, run_twice=False)
+        case_tol = next((by_dtype[name] for prefix, by_dtype in spec.layout_tolerances.items()
+                         if what.startswith(prefix + " ") and name in by_dtype), tol)
+        rep = check(spec.fn, spec.reference, args, kwargs, grad_args=spec.grad_args, tol=case_tol, run_twice=False)
         for k, v in rep.errors.items():
             merged.errors[f"{what}: {k}"] = v
         merged.failures += [f"{what}: {f}" for f in rep.failures]
