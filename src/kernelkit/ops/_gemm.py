@@ -17,6 +17,14 @@ from ..tune import interpreting
 INTERPRETER_DOT = tl.constexpr(interpreting())
 
 
+def tile_configs(tiles, group_m: int = 8) -> list:
+    """triton.Configs of GEMM tiles given as (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, GROUP_M]) tuples
+    (GROUP_M `group_m` where a tuple leaves it out). The interpreter runs only the first (see tune.autotune)."""
+    return [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "BLOCK_K": t[2],
+                           "GROUP_M": t[5] if len(t) > 5 else group_m}, num_stages=t[3], num_warps=t[4])
+            for t in tiles]
+
+
 @triton.jit
 def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles sweep the column tiles

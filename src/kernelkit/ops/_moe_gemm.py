@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
 from ._fp8 import HW_FP8_CAST, mx_dequant
-from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile
+from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mxfp8 import e8m0_to_fp32, mx_encode
 
 
@@ -21,14 +21,9 @@ def _gemm_configs() -> list:
     # The first config is the interpreter's: 16-row tiles split the test shapes' experts (5-20 rows each) into
     # several tiles with ragged tails. The rest are Hopper GEMM tiles as in linear.py, plus 16/32-row tiles for
     # few tokens per expert (decode, or 256 experts), where a 128-row tile would be mostly padding.
-    cfgs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8}, num_stages=2, num_warps=4)]
-    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
-                                      (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
-                                      (64, 256, 64, 3, 8), (32, 128, 64, 4, 4), (16, 128, 128, 4, 4),
-                                      (128, 128, 128, 3, 8), (64, 128, 128, 4, 4)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_stages=stages, num_warps=warps))
-    return cfgs
+    return tile_configs(((16, 16, 16, 2, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
+                         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 3, 8),
+                         (32, 128, 64, 4, 4), (16, 128, 128, 4, 4), (128, 128, 128, 3, 8), (64, 128, 128, 4, 4)))
 
 
 def _prune_gemm(configs, named_args, **kwargs):
@@ -40,12 +35,8 @@ def _prune_gemm(configs, named_args, **kwargs):
 
 
 def _wgrad_configs() -> list:
-    cfgs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8}, num_stages=2, num_warps=4)]
-    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 32, 4, 8), (64, 128, 64, 4, 4),
-                                      (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 256, 64, 3, 8)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_stages=stages, num_warps=warps))
-    return cfgs
+    return tile_configs(((16, 16, 16, 2, 4), (128, 128, 64, 3, 8), (128, 128, 32, 4, 8), (64, 128, 64, 4, 4),
+                         (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 256, 64, 3, 8)))
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
-from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision
+from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
 from .registry import OpSpec, register
 
@@ -46,13 +46,9 @@ def _gemm_configs() -> list:
     # (masks and the grouped order get exercised) and the CPU fast. The rest are Hopper-sized tiles
     # (128x128x64 and 128x256x64 are where Triton's Hopper matmul tutorial lands), 3-4 stages of
     # shared-memory pipelining, 4-8 warps; the autotuner picks per (M bucket, N, K).
-    cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=4)]
-    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
-                                      (256, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                                      (64, 64, 64, 4, 4), (128, 128, 32, 4, 8)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_stages=stages, num_warps=warps))
-    return cfgs
+    return tile_configs(((32, 32, 32, 3, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
+                         (256, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
+                         (128, 128, 32, 4, 8)))
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from ..testing.poison import empty
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._dispatch import dispatch
-from ._gemm import grouped_tile
+from ._gemm import grouped_tile, tile_configs
 from .registry import OpSpec, register
 
 try:  # the Hopper precise-mode kernel is written in Gluon (Triton 3.6+)
@@ -72,14 +72,9 @@ def _configs() -> list:
     # with BLOCK_K = 128 (one block-scale step per iteration; 128 bytes of fp8 per row, a full swizzle line),
     # 3-4 stages of shared-memory pipelining (128x256x128 is 48 KiB a stage). Tiles of 64 rows keep 2-3 CTAs
     # on an SM, which hides the wait for each K tile's product on the paths that add it on the CUDA cores.
-    cfgs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}, num_stages=3, num_warps=4)]
-    for bm, bn, bk, stages, warps in ((128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
-                                      (128, 128, 128, 3, 8), (128, 128, 128, 4, 4), (128, 256, 128, 4, 8),
-                                      (64, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 128, 128, 3, 4),
-                                      (128, 64, 128, 4, 4), (64, 64, 128, 4, 4)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_stages=stages, num_warps=warps))
-    return cfgs
+    return tile_configs(((32, 32, 64, 3, 4, 2), (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8),
+                         (128, 128, 128, 3, 8), (128, 128, 128, 4, 4), (128, 256, 128, 4, 8), (64, 256, 128, 3, 8),
+                         (64, 128, 128, 4, 4), (64, 128, 128, 3, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4)))
 
 
 def _prune(configs, named_args, **kwargs):
