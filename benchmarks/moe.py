@@ -14,10 +14,14 @@ Rows per shape:
     kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
                        allocated once outside the timing)
     kernelkit_fp8      the same on e4m3 x and weights quantized per row beforehand, dequantized in the epilogue
-    kernelkit_mxfp8    the same on MXFP8 x and weights (E8M0 per 32 along K) quantized beforehand, dequantized in
-                       the main loop (MX_MODE "dequant"; _promote: fp8 MMAs per 32-wide block, scaled partial
-                       sums; tl.dot_scaled measured 0.46x of dequant); _quantized_h: the epilogue writes h as
-                       MXFP8 (the fused quantization's overhead is reported in % of the GEMM)
+    kernelkit_mxfp8_upcast   MXFP8 x and weights (E8M0 per 32 along K) quantized beforehand, dequantized to bf16
+                       by their own passes inside the timing (_kept: the weights' bf16 copy made beforehand), the
+                       bf16 GEMM writing h as MXFP8 (MX_MODE "upcast", the default)
+    kernelkit_mxfp8_dequant  the same operands dequantized in the K loop (MX_MODE "dequant"); _quantized_h: h
+                       written as MXFP8 (the fused quantization's overhead in % of the GEMM). MX_MODE "promote" and
+                       "dot_scaled" measured about half of dequant's TFLOP/s at Mixtral (moe-mxfp8-promote-gateup.json,
+                       moe-mxfp8-dot-scaled-mixtral.json) and are no longer timed here
+    kernelkit_quantized_h    kernelkit's bf16 GEMM writing h as MXFP8 (the fusion's overhead vs kernelkit)
     quantize_rows_h    rowwise fp8's separate quantization pass over h (its overhead in % of kernelkit_fp8)
     torch._scaled_grouped_mm_fp8   torch's rowwise fp8 grouped GEMM on the pre-gathered rows
     torch._grouped_mm  the same GEMM on the pre-gathered x (the gather not timed), no epilogue (writes gate|up)
@@ -26,6 +30,7 @@ Rows per shape:
     kernelkit          kernelkit.moe
     kernelkit_fp8      kernelkit.moe(..., precision="fp8"): quantization of x, both weights and h included
     kernelkit_mxfp8    kernelkit.moe(..., precision="mxfp8"): the same for MXFP8 (h quantized in the epilogue)
+    kernelkit_triton_wgrads  fwd+bwd only: kernelkit.moe with kernelkit's wgrad kernel instead of torch._grouped_mm's
     *_kept             forward only: inside keep_quantized_weights(), the weights' copies made once and reused
     grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
     per-expert loop    kernelkit.ops.moe.reference in bf16 (one torch.where and two F.linear per expert, HF-style)
@@ -150,8 +155,7 @@ def gate_up_rows(label, shape, args, rep, peak):
     M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
     measure(row, "kernelkit_fp8", lambda: M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows,
                                                           epilogue="swiglu", a_scale=xs, b_scale=gus), flops, rep, peak)
-    # MXFP8 operands quantized beforehand; h written in bf16, then written as MXFP8 by the epilogue itself (the
-    # fused quantization's cost is the difference), for kernelkit's dequantizing K step and tl.dot_scaled's.
+    # MXFP8 operands quantized beforehand (the rows below say how they are multiplied)
     xm, xms = M.mxfp8_quantize(x)
     gum, gums = M.mxfp8_quantize(gate_up)
     hq = empty((t * k, inter), dtype=torch.float8_e4m3fn, device=x.device)
@@ -242,16 +246,12 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
     kw = {"scoring": scoring}
     leaves = [a.detach().requires_grad_() for a in (x, router, gate_up, down)]
     dy = torch.randn_like(x)
-    def kept(precision):  # weights quantized once, reused while unchanged (inference; forward rows only)
-        def run(*a, **kw):
-            with M.keep_quantized_weights():
-                return kernelkit.moe(*a, **kw, precision=precision)
-        return run
-
     impls = {"kernelkit": kernelkit.moe, "kernelkit_fp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8"),
              "kernelkit_mxfp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="mxfp8"),
              "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
-    fwd_only = {"kernelkit_fp8_kept": kept("fp8"), "kernelkit_mxfp8_kept": kept("mxfp8")}
+    # weights quantized once, reused while unchanged (inference; forward rows only, run inside
+    # keep_quantized_weights below)
+    fwd_only = {"kernelkit_fp8_kept": impls["kernelkit_fp8"], "kernelkit_mxfp8_kept": impls["kernelkit_mxfp8"]}
     fwd_flops = 2.0 * t * k * 3 * inter * hidden
     start = time.perf_counter()
     torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..tune import interpreting, next_pow2
-from .mxfp8 import e8m0_to_fp32
+from .mxfp8 import e8m0_to_fp32, mxfp8_dequantize, mxfp8_quantize
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
@@ -128,8 +128,6 @@ def quantized_weight(w: torch.Tensor, fmt: str):
     """(q, scales) of w for fmt "fp8" (`quantize_rows`) or "mxfp8" (`mxfp8_quantize`), or (its MXFP8 values
     dequantized to bf16, None) for "mxfp8_bf16"; reused from an earlier call inside `keep_quantized_weights` while
     w is unchanged."""
-    from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
-
     quantize = {"fp8": quantize_rows, "mxfp8": mxfp8_quantize,
                 "mxfp8_bf16": lambda t: (mxfp8_dequantize(*mxfp8_quantize(t), torch.bfloat16), None)}[fmt]
     if not _KEEP[0] or torch.is_inference(w):  # inference tensors have no version counter to watch

@@ -519,14 +519,16 @@ def make_inputs(shape, dtype, device, generator=None):
     return (x.to(dtype), router.to(dtype), gate_up, down, top_k), {"renormalize": top_k > 1}
 
 
+# First a medium shape: `kernelkit check` (make demo) runs bench_shapes[0] against a float64 reference on the GPU,
+# which at Mixtral's shape needs ~30 GB; then the three layers (Mixtral, Qwen3-30B-A3B, DeepSeek-V3), which
+# benchmarks/moe.py times against torch._grouped_mm. The fp8 / MXFP8 entries (moe_fp8.py) bench the same.
+BENCH_SHAPES = [(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
+                (8192, 7168, 2048, 256, 8)]
+
 register(OpSpec(
     name="moe", fn=moe, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1, 2, 3),
     test_shapes=[(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (9, 32, 16, 8, 8)],
-    # First a medium shape: `kernelkit check` (make demo) runs bench_shapes[0] against a float64 reference on
-    # the GPU, which at Mixtral's shape needs ~30 GB; then the three layers (Mixtral, Qwen3-30B-A3B,
-    # DeepSeek-V3), which benchmarks/moe.py times against torch._grouped_mm.
-    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
-                  (8192, 7168, 2048, 256, 8)],
+    bench_shapes=BENCH_SHAPES,
     # torch.compile of the per-expert loop breaks its graph at every expert's torch.where: the eager row only.
     generic_rows=("eager",), baseline="eager",
     # A broadcast router gives every expert the same logit: the top-k of exact ties is arbitrary, and the kernel

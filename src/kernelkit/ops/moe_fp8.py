@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp8 import quantize_rows_reference
-from .moe import cost, make_inputs, moe, route
+from .moe import BENCH_SHAPES, cost, make_inputs, moe, route
 from .mxfp8 import reference_dequantize, reference_quantize
 from .registry import OpSpec, register
 
@@ -54,19 +54,24 @@ def _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scori
     return out.to(x.dtype).reshape(x.shape)
 
 
-def moe_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
-    """`moe(..., precision="fp8")` (the registry's entry for `kernelkit check moe_fp8` / `bench moe_fp8`)."""
-    return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
-               precision="fp8")
+def _at_precision(precision):
+    def fn(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
+        return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
+                   precision=precision)
+    fn.__name__ = f"moe_{precision}"
+    fn.__doc__ = (f'`moe(..., precision="{precision}")` (the registry\'s entry for `kernelkit check moe_{precision}` / '
+                  f'`bench moe_{precision}`).')
+    return fn
 
+
+moe_fp8, moe_mxfp8 = _at_precision("fp8"), _at_precision("mxfp8")
+# What both entries share with `moe`'s: the bench shapes, the eager-only rows, the layout fuzz's broadcast router
+# skip. Forward only: the backward is `moe`'s (x's dtype, on the saved activations), checked under "moe".
+_SHARED = dict(cost=cost, make_inputs=make_inputs, bench_shapes=BENCH_SHAPES, generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),))
 
 register(OpSpec(
-    name="moe_fp8", fn=moe_fp8, reference=reference_fp8, cost=cost, make_inputs=make_inputs,
-    # Forward only: the backward is `moe`'s (x's dtype, on the saved activations), checked under "moe".
-    test_shapes=[(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (9, 32, 16, 8, 8)],
-    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
-                  (8192, 7168, 2048, 256, 8)],
-    generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 16, 12, 4, 2),
+    name="moe_fp8", fn=moe_fp8, reference=reference_fp8, **_SHARED,
+    test_shapes=[(37, 24, 20, 4, 2), (5, 16, 12, 3, 1), (9, 32, 16, 8, 8)], layout_shape=(13, 16, 12, 4, 2),
     # Against the quantized layer in float64: h is rounded to x's dtype before its quantization, so where the
     # kernel's fp32 sums and the float64 ones round h differently, elements land on the neighbouring e4m3 value
     # (2^-4 apart), more often in bf16 than in fp16; on the GPU the fp8 MMAs also sum in ~14 bits (fast
@@ -76,21 +81,10 @@ register(OpSpec(
     doc="MoE layer with fp8 (e4m3, rowwise scales) forward GEMMs, against the quantized layer in float64.",
 ))
 
-
-
-def moe_mxfp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
-    """`moe(..., precision="mxfp8")` (the registry's entry for `kernelkit check moe_mxfp8` / `bench moe_mxfp8`)."""
-    return moe(x, router_weight, gate_up_weight, down_weight, top_k, scoring=scoring, renormalize=renormalize,
-               precision="mxfp8")
-
-
 register(OpSpec(
-    name="moe_mxfp8", fn=moe_mxfp8, reference=reference_mxfp8, cost=cost, make_inputs=make_inputs,
+    name="moe_mxfp8", fn=moe_mxfp8, reference=reference_mxfp8, **_SHARED,
     # MX blocks are 32 wide: hidden and intermediate in whole blocks, token counts odd.
-    test_shapes=[(37, 64, 32, 4, 2), (5, 32, 64, 3, 1), (9, 32, 32, 8, 8)],
-    bench_shapes=[(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
-                  (8192, 7168, 2048, 256, 8)],
-    generic_rows=("eager",), baseline="eager", layout_skip=((1, "expanded"),), layout_shape=(13, 32, 32, 4, 2),
+    test_shapes=[(37, 64, 32, 4, 2), (5, 32, 64, 3, 1), (9, 32, 32, 8, 8)], layout_shape=(13, 32, 32, 4, 2),
     # Against the MX-quantized layer in float64: the products are exact (bf16 of the dequantized e4m3 values) and
     # summed in fp32, and h is quantized from fp32 as in the reference, so an element of h lands on the other
     # e4m3 neighbour only where fp32 and float64 sums straddle a rounding boundary; the output is then rounded
