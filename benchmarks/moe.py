@@ -278,12 +278,12 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
                 call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
                 measure(row, name, call, flops, rep, peak)
         if mode == "fwd+bwd":
-            def tw():
+            def tw(saved=M.CUBLAS_WGRADS):
                 M.CUBLAS_WGRADS = False
                 try:
                     return torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
                 finally:
-                    M.CUBLAS_WGRADS = True
+                    M.CUBLAS_WGRADS = saved
             measure(row, "kernelkit_triton_wgrads", tw, flops, rep, peak)
         if mode == "fwd":
             try:
