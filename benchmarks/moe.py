@@ -58,6 +58,7 @@ from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops.mxfp8 import mxfp8_dequantize
 from kernelkit.ops import registry
+from kernelkit.testing.bench import env_fingerprint
 from kernelkit.testing.poison import empty
 from kernelkit.tune import chosen_configs
 
@@ -331,7 +332,8 @@ def main():
     datasheet = lookup(torch.cuda.get_device_name())
     peak = datasheet.tflops.get("bf16") if datasheet else None
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "dtype": "bfloat16", "bf16_peak_tflops_datasheet": peak, "grouped_mm": hasattr(torch, "_grouped_mm")}
+            "dtype": "bfloat16", "bf16_peak_tflops_datasheet": peak, "grouped_mm": hasattr(torch, "_grouped_mm"),
+            "env": env_fingerprint()}
     rows = []
     plan = len(names) * (("gate_up" in a.rows) + 2 * ("layer" in a.rows))
     i = 0
