@@ -107,7 +107,28 @@ def grouped_mm_layer(x, router, gate_up, down, k, scoring="softmax", renormalize
     return y[inverse].view(t, k, hidden).sum(1)
 
 
+ONLY = None  # --only: the row names to measure (None: all)
+
+
+def want(name):
+    return ONLY is None or name in ONLY
+
+
+def flagged(attr, value, fn):
+    """fn run with kernelkit.ops._moe_gemm's `attr` set to `value` (restored after)."""
+    def call():
+        saved = getattr(G, attr)
+        setattr(G, attr, value)
+        try:
+            return fn()
+        finally:
+            setattr(G, attr, saved)
+    return call
+
+
 def measure(row, name, fn, flops, rep, peak):
+    if not want(name):
+        return
     try:
         ms = timed(fn, rep)
         row[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_mb": peak_mb(fn)}
@@ -146,11 +167,27 @@ def gate_up_rows(label, shape, args, rep, peak):
     row["tune_s"] = round(time.perf_counter() - start, 2)
     measure(row, "kernelkit", lambda: M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows,
                                                       epilogue="swiglu"), flops, rep, peak)
+    # the persistent TMA kernel on rows gathered beforehand (the gather not timed, as torch._grouped_mm's), and the
+    # pointer kernel with the gather fused into its loads (KERNELKIT_MOE_PERSISTENT=0)
+    measure(row, "kernelkit_pregathered", lambda: M._grouped_gemm(x_perm, gate_up.transpose(1, 2), h, offs, inter,
+                                                                  epilogue="swiglu"), flops, rep, peak)
+    measure(row, "kernelkit_pointer", flagged("PERSISTENT", False, lambda: M._grouped_gemm(
+        x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")), flops, rep, peak)
     measure(row, "torch._grouped_mm", lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]),
             flops, rep, peak)
     measure(row, "dense_mm", lambda: torch.mm(x_perm, dense_w), flops, rep, peak)
     # precision="fp8": the same GEMM on e4m3 operands quantized per row beforehand (as weights kept in fp8 would
     # be), gather and dequantization fused; torch._scaled_grouped_mm rowwise on the pre-gathered rows.
+    if not any(want(n) for n in ("kernelkit_fp8", "kernelkit_mxfp8_upcast", "kernelkit_mxfp8_upcast_kept",
+                                 "kernelkit_quantized_h", "kernelkit_mxfp8_dequant", "quantize_rows_h",
+                                 "torch._scaled_grouped_mm_fp8")):
+        ratios(row, ("torch._grouped_mm", "dense_mm"))
+        for mine in ("kernelkit_pregathered", "kernelkit_pointer"):
+            if "ms" in row.get(mine, {}):
+                for other in ("kernelkit", "torch._grouped_mm", "dense_mm"):
+                    if "ms" in row.get(other, {}):
+                        row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
+        return row
     xq, xs = M.quantize_rows(x)
     guq, gus = M.quantize_rows(gate_up)
     M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
@@ -249,6 +286,7 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
     dy = torch.randn_like(x)
     impls = {"kernelkit": kernelkit.moe, "kernelkit_fp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8"),
              "kernelkit_mxfp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="mxfp8"),
+             "kernelkit_pointer": lambda *a, **kw: flagged("PERSISTENT", False, lambda: kernelkit.moe(*a, **kw))(),
              "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
     # weights quantized once, reused while unchanged (inference; forward rows only, run inside
     # keep_quantized_weights below)
@@ -266,6 +304,8 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
         if label.endswith("-decode"):
             row["weight_bytes"] = (gate_up.numel() + down.numel()) * gate_up.element_size() * (1 if mode == "fwd" else 3)
         for name, fn in (impls | fwd_only if mode == "fwd" else impls).items():
+            if not want(name):
+                continue
             if mode == "fwd":
                 call = (lambda f: lambda: f(x, router, gate_up, down, k, **kw))(fn)
                 with torch.no_grad():
@@ -295,7 +335,8 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
             except Exception as e:  # noqa: BLE001
                 row["max_rel_err_vs_grouped_mm_layer"] = f"{type(e).__name__}: {e}"[:200]
         ratios(row, ("grouped_mm_layer", "per_expert_loop"))
-        for mine in ("kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_fp8_kept", "kernelkit_mxfp8_kept"):
+        for mine in ("kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_fp8_kept", "kernelkit_mxfp8_kept",
+                     "kernelkit_pointer", "kernelkit_triton_wgrads"):
             for other in ("kernelkit", "grouped_mm_layer", "per_expert_loop"):
                 if "ms" in row.get(mine, {}) and "ms" in row.get(other, {}):
                     row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
@@ -304,7 +345,7 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
 
 def describe(row):
     parts = []
-    for name in ("kernelkit", "kernelkit_triton_wgrads", "kernelkit_fp8",
+    for name in ("kernelkit", "kernelkit_pregathered", "kernelkit_pointer", "kernelkit_triton_wgrads", "kernelkit_fp8",
                  "kernelkit_mxfp8_dequant", "kernelkit_mxfp8_dequant_quantized_h", "kernelkit_mxfp8_upcast",
                  "kernelkit_mxfp8_upcast_kept", "kernelkit_quantized_h", "quantize_rows_h",
                  "kernelkit_fp8_kept", "kernelkit_mxfp8_kept", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8",
@@ -326,7 +367,11 @@ def main():
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--rows", default="gate_up,layer", help="which rows: gate_up, layer or both (comma-separated)")
+    ap.add_argument("--only", default=None, help="comma-separated row names to measure (default: all), e.g. "
+                    "kernelkit,kernelkit_pointer,torch._grouped_mm,dense_mm,grouped_mm_layer")
     a = ap.parse_args()
+    global ONLY
+    ONLY = set(a.only.split(",")) if a.only else None
     names = a.shapes.split(",") if a.shapes else list(QUICK if a.quick else SHAPES)
     spec = registry.get("moe")
     datasheet = lookup(torch.cuda.get_device_name())

@@ -603,7 +603,7 @@ def test_routing_options_are_validated(device):
         M.moe(*args, routed_scaling_factor="2")
 
 
-def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
+def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles(monkeypatch):
     # The MXFP8 grouped GEMM (every K-step variant: kernelkit's dequantization, tl.dot_scaled, promotion) with the
     # Hopper tiles the autotuner picks from, compiled for sm_90: the interpreter runs only 16-row tiles.
     from kernelkit.testing import compile_check
@@ -611,12 +611,13 @@ def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles():
 
     if not INTERPRET:
         pytest.skip("records launches through the Triton interpreter")
+    monkeypatch.setattr(G, "MX_MODE", "dequant")  # the launches with MX operands ("upcast" multiplies bf16 ones)
     records = []
     args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
     with compile_check.record_launches(records):
         M.moe(*args, precision="mxfp8")
     gemms = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_gemm_kernel")]
-    assert len(gemms) == 2
+    assert len(gemms) == 2 and all(r["args"]["SCALES"]["value"] == "mx" for r in gemms)
     variants = []
     for r in gemms:
         for mode in ("dequant", "dot_scaled", "promote"):  # the K-loop modes; "upcast" runs the bf16 kernel
@@ -667,3 +668,36 @@ def test_nn_moe_deepseek_routing(device):
     torch.testing.assert_close(m(x).double(), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="n_group must be a positive int dividing"):
         M.MoE(32, 16, 8, 2, n_group=3)
+
+
+def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles():
+    # The persistent TMA grouped GEMM as the forward, the backward's dgrads and fp8 launch it (K-major and
+    # N-major weight descriptors, every epilogue), at the Hopper tiles its autotuner picks from, for sm_90.
+    from kernelkit.testing import compile_check
+    from tests.conftest import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("records launches through the Triton interpreter")
+    records = []
+    args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
+    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    with compile_check.record_launches(records):
+        M.moe(*leaves, args[4]).float().square().sum().backward()
+        M.moe(*args, precision="fp8")
+    launches = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_tma_kernel")]
+    kinds = {(r["args"]["EPILOGUE"]["value"], r["args"]["B_KMAJOR"]["value"], r["args"]["SCALES"]["value"])
+             for r in launches}
+    assert kinds == {("swiglu", True, ""), ("none", True, ""), ("swiglu_bwd", False, ""), ("none", False, ""),
+                     ("swiglu", True, "rowwise"), ("none", True, "rowwise")}, kinds
+    variants = []
+    for r in launches:
+        a = r["args"]
+        tiles = [(128, 128, 64, 8), (64, 128, 64, 4)] if a["EPILOGUE"]["value"] == "swiglu" else [(128, 256, 64, 8)]
+        if a["SCALES"]["value"] == "rowwise":
+            tiles = [(bm, bn, 128, w) for bm, bn, _, w in tiles]
+        for bm, bn, bk, warps in tiles:
+            variants.append({**r, "args": {**a, "BLOCK_M": {"value": bm}, "BLOCK_N": {"value": bn},
+                                           "BLOCK_K": {"value": bk}, "NUM_SMS": {"value": 132}},
+                             "options": {"num_warps": warps, "num_stages": 3}})
+    failures = compile_check.compile_in_subprocess(variants)
+    assert not failures, "\n".join(failures)

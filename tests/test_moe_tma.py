@@ -58,3 +58,57 @@ def test_unaligned_expert_weights_take_pointers(device, tma_calls):
     check(M.moe, M.reference, [x, router, gate_up, down, k], grad_args=(0, 2, 3),
           tol=SPEC.tolerances.get("bfloat16"), run_twice=False).raise_if_failed()
     assert tma_calls[0] == ((3, 36, 40), False)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    launched = []
+    original = G.launch
+
+    def spy(kernel, grid, key, *args, **kwargs):
+        launched.append((key[0], kwargs.get("EPILOGUE"), kwargs.get("B_KMAJOR")))
+        return original(kernel, grid, key, *args, **kwargs)
+
+    monkeypatch.setattr(G, "launch", spy)
+    return launched
+
+
+@pytest.mark.parametrize("routing", ["balanced", "empty_experts", "one_expert", "every_expert"])
+def test_persistent_kernel_against_float64(routing, device, kernels):
+    # bf16 with 16-byte rows: every grouped GEMM of the forward and backward runs the persistent TMA kernel (x and
+    # dout gathered by a copy first; the dgrads' weights N-contiguous). Odd token counts put expert boundaries
+    # inside row tiles (a tile reads the next expert's rows and must not store them); empty experts own no tile.
+    shape = {"balanced": (45, 32, 48, 5, 2), "empty_experts": (41, 40, 24, 6, 2), "one_expert": (23, 32, 32, 4, 1),
+             "every_expert": (19, 24, 40, 3, 3)}[routing]
+    args = _inputs(shape, torch.bfloat16, device, seed=len(routing))
+    x = args[0]
+    if routing == "empty_experts":  # experts 1 and 4 rank last for every token (the router is x's first columns)
+        x[:, 1], x[:, 4] = -8.0, -7.5
+    if routing == "one_expert":
+        x[:, 2] = 8.0
+    counts = torch.bincount(M.route(x, args[1], args[4])[1].flatten(), minlength=shape[3])
+    if routing == "empty_experts":
+        assert (counts[[1, 4]] == 0).all()
+    if routing == "one_expert":
+        assert counts[2] == shape[0]
+    rep = check(M.moe, M.reference, args, {"renormalize": shape[4] > 1}, grad_args=(0, 1, 2, 3),
+                tol=SPEC.tolerances.get("bfloat16"), run_twice=False)
+    rep.raise_if_failed()
+    tma = [(epi, kmajor) for kind, epi, kmajor in kernels if kind == "gemm_tma"]
+    assert {("swiglu", True), ("none", True), ("swiglu_bwd", False), ("none", False)} <= set(tma), kernels
+    assert not [k for k in kernels if k[0] == "gemm"], "a grouped GEMM fell back to the pointer kernel"
+
+
+def test_persistent_and_pointer_kernels_agree(device, monkeypatch):
+    # The same layer through both kernels (KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather in
+    # its loads): the same products and fp32 sums, so outputs and gradients agree to bf16 rounding.
+    args = _inputs((53, 64, 48, 7, 2), torch.bfloat16, device, seed=5)
+    got = {}
+    for persistent in (True, False):
+        monkeypatch.setattr(G, "PERSISTENT", persistent)
+        leaves = [a.detach().clone().requires_grad_() for a in args[:4]]
+        out = M.moe(*leaves, args[4])
+        out.float().square().sum().backward()
+        got[persistent] = [out] + [t.grad for t in leaves]
+    for a, b in zip(got[True], got[False]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

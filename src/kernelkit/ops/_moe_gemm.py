@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from ._fp8 import HW_FP8_CAST, mx_dequant
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mxfp8 import e8m0_to_fp32, mx_encode
@@ -59,6 +59,56 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     row0 = tl.sum(tl.where(mine, start, 0), 0) + (tile - first_tile) * BLOCK_M
     row_end = tl.sum(tl.where(mine, end, 0), 0)
     return e, row0, row_end
+
+
+@triton.jit
+def _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, C_IDX, stride_cm, stride_cn,
+              Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+              EPILOGUE: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr,
+              SCALES: tl.constexpr, Q_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+    """The grouped GEMMs' shared epilogue on one (BLOCK_M, BN) fp32 tile (and its up half for swiglu): rowwise
+    dequantization, SwiGLU / its backward, the routing weight, the row scatter and the store (MXFP8 with Q_OUT).
+    rows: the tile's rows in the sorted order (m_ok: inside its expert); a_rows: where A's rows (and their rowwise
+    scales) were read."""
+    if SCALES == "rowwise":  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
+        sa = tl.load(A_SCALE + a_rows, mask=m_ok, other=0.0)[:, None]
+        b_scales = B_SCALE + e.to(tl.int64) * stride_bse + rn64
+        acc = acc * sa * tl.load(b_scales, mask=n_ok, other=0.0)[None, :]
+        if EPILOGUE == "swiglu":
+            acc_up = acc_up * sa * tl.load(b_scales + N, mask=n_ok, other=0.0)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    c_cols = rn64[None, :] * stride_cn
+    z_ptrs = Z + rows64[:, None] * stride_zm + rn64[None, :] * stride_zn
+    if EPILOGUE == "swiglu":
+        if STORE_Z:
+            tl.store(z_ptrs, acc.to(Z.dtype.element_ty), mask=mask)
+            tl.store(z_ptrs + N * stride_zn, acc_up.to(Z.dtype.element_ty), mask=mask)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif EPILOGUE == "swiglu_bwd":
+        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(z_ptrs + N * stride_zn, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
+        tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
+        dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+        tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
+                 mask=mask)
+        acc = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    if HAS_SCALE and EPILOGUE != "swiglu_bwd":
+        acc = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+    if SCATTER_C:  # each row to its (token, slot) position: one writer per row, so no atomics
+        c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+    else:
+        c_rows = rows64
+    if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
+        bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
+        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
+                 mask=m_ok[:, None] & (kb < N // 32)[None, :])
+    else:
+        tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -201,45 +251,93 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                                        k_ok[:, None] & n_ok[None, :], EPILOGUE == "swiglu", INTERPRETER_DOT,
                                        INPUT_PRECISION)
 
-    if SCALES == "rowwise":  # rowwise dequantization: the token's scale times the expert's output-channel scale, in fp32
-        sa = tl.load(A_SCALE + a_rows, mask=m_ok, other=0.0)[:, None]
-        b_scales = B_SCALE + e.to(tl.int64) * stride_bse + rn64
-        acc = acc * sa * tl.load(b_scales, mask=n_ok, other=0.0)[None, :]
-        if EPILOGUE == "swiglu":
-            acc_up = acc_up * sa * tl.load(b_scales + N, mask=n_ok, other=0.0)[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    c_cols = rn64[None, :] * stride_cn
-    z_ptrs = Z + rows64[:, None] * stride_zm + rn64[None, :] * stride_zn
-    if EPILOGUE == "swiglu":
-        if STORE_Z:
-            tl.store(z_ptrs, acc.to(Z.dtype.element_ty), mask=mask)
-            tl.store(z_ptrs + N * stride_zn, acc_up.to(Z.dtype.element_ty), mask=mask)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    elif EPILOGUE == "swiglu_bwd":
-        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(z_ptrs + N * stride_zn, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
-        tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
-        dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
-        tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
-                 mask=mask)
-        acc = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    if HAS_SCALE and EPILOGUE != "swiglu_bwd":
-        acc = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
-    if SCATTER_C:  # each row to its (token, slot) position: one writer per row, so no atomics
-        c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+    _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, C_IDX, stride_cm, stride_cn,
+              Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+              EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, SCALES, Q_OUT, BLOCK_M, BN)
+
+
+def _tma_gemm_configs() -> list:
+    # The interpreter's first (16-row boxes split the test shapes' experts into ragged tiles), then Hopper tiles:
+    # 128x128 with swiglu is the dense TMA GEMM's best 128x256 tile (gate and up: two accumulators), 128x256 without
+    # it; 64-row tiles for few rows per expert; 128-wide K steps for fp8.
+    return tile_configs(((16, 16, 16, 2, 4), (128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (128, 256, 64, 3, 8),
+                         (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8), (128, 64, 64, 4, 4),
+                         (64, 64, 64, 4, 4), (128, 128, 128, 3, 8), (128, 256, 128, 3, 8)))
+
+
+@autotune(_tma_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "SCATTER_C", "B_KMAJOR", "SCALES",
+                                    "Q_OUT", "NUM_SMS"],
+          prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
+@triton.jit
+def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the experts' sorted order (gathered before)
+                           B, stride_be, stride_bk, stride_bn,  # expert e's weight as (K, N'); one of bk, bn is 1
+                           C, C_IDX, stride_cm, stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux,
+                           A_SCALE, B_SCALE, stride_bse,  # SCALES "rowwise": one fp32 per A row, (E, N') per channel
+                           OFFS, ROWS, N, K, E, ROWS_BUCKET, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
+                           EPILOGUE: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
+                           Q_OUT: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """moe_grouped_gemm_kernel's Hopper path (same epilogues, no gather: A's rows come sorted by expert):
+    persistent, one program per SM walking the real (expert row tile, column tile) pairs in grouped order, so
+    no program is launched for an empty or short expert and the next tile's loads overlap the last tile's
+    epilogue; both operands copied by the TMA engine. A through one 2-D descriptor over all rows: a tile that
+    crosses its expert's end reads the next expert's rows, which are computed but not stored (m_ok). The weights
+    through one 3-D descriptor (E, N', K) (B_KMAJOR, nn.Linear's layout: the forward) or (E, K, N') (the dgrads),
+    boxes past an expert's K or N' reading zeros."""
+    BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K
+    BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
+    NT = 2 * N if EPILOGUE == "swiglu" else N
+    a_desc = tl.make_tensor_descriptor(A, shape=[ROWS, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BK])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
+                                           block_shape=[1, BN, BK])
     else:
-        c_rows = rows64
-    if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
-        bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
-        tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
-        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-        tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
-                 mask=m_ok[:, None] & (kb < N // 32)[None, :])
-    else:
-        tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, K, NT], strides=[stride_be, stride_bk, 1],
+                                           block_shape=[1, BK, BN])
+    # The tile map once per program (see _expert_of_tile): the real row tiles of every expert, from the offsets.
+    es = tl.arange(0, E_P2)
+    real = es < E
+    start = tl.load(OFFS + es, mask=real, other=0)
+    end = tl.load(OFFS + es + 1, mask=real, other=0)
+    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(n_tiles, 0)
+    grid_m = tl.sum(n_tiles, 0)
+    grid_n = tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+        mine = es == e
+        row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, end, 0), 0)
+        acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+        for ks in range(k_steps):
+            a = a_desc.load([row0, ks * BK])
+            if B_KMAJOR:
+                b = tl.trans(b_desc.load([e, pid_n * BN, ks * BK]).reshape(BN, BK))
+            else:
+                b = b_desc.load([e, ks * BK, pid_n * BN]).reshape(BK, BN)
+            if INTERPRETER_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if EPILOGUE == "swiglu":  # the up half: rows (columns) [N, 2N) of the weight
+                if B_KMAJOR:
+                    u = tl.trans(b_desc.load([e, N + pid_n * BN, ks * BK]).reshape(BN, BK))
+                else:
+                    u = b_desc.load([e, ks * BK, N + pid_n * BN]).reshape(BK, BN)
+                if INTERPRETER_DOT:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        m_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        rn64 = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        _epilogue(acc, acc_up, rows, rows64, m_ok, rows64, rn64, rn64 < N, pid_n, e, C, C_IDX, stride_cm,
+                  stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+                  EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, SCALES, Q_OUT, BLOCK_M, BN)
 
 
 @autotune(_wgrad_configs(), key=["ROWS_BUCKET", "M", "N", "E"])
@@ -317,6 +415,29 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     if q_out:
         c = c.view(torch.uint8)
     bucket = next_pow2(rows)
+    b_kmajor = _persistent(a, weight, a_idx, scales, rows)
+    if b_kmajor is not None:
+        if a_idx is not None:  # gathered once by a copy, so the GEMM's rows are contiguous boxes for the TMA engine
+            a = a.index_select(0, a_idx)
+            a_scale = a_scale.index_select(0, a_idx) if scales else None
+        if weight.is_cuda:
+            ensure_tma_allocator()
+        sms = num_sms(c.device)
+        bs_e = b_scale.stride(0) if scales else 0
+        grid = lambda meta: (min(sms, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
+                                 * cdiv(n, max(meta["BLOCK_N"], 32 if q_out else 1))),)
+        launch(moe_grouped_tma_kernel, grid,
+               ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
+                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms),
+               a, a.stride(0), weight, weight.stride(0), weight.stride(1), weight.stride(2),
+               c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
+               zz, zz.stride(0), zz.stride(-1), scale if scale is not None else c, aux, aux.stride(0),
+               a_scale if scales else aux, b_scale if scales else aux, bs_e,
+               offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
+               EPILOGUE=epilogue, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
+               STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision,
+               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
+        return
     b_tma = _b_tma(weight)
     if b_tma and weight.is_cuda:
         ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
@@ -374,6 +495,45 @@ def _b_tma(weight: torch.Tensor) -> bool:
     s_e, s_n = weight.stride(0), weight.stride(2)
     return (weight.data_ptr() % 16 == 0 and s_n >= k and (s_e >= n * s_n or e == 1)
             and (s_e * esize) % 16 == 0 and (s_n * esize) % 16 == 0)
+
+
+# The persistent TMA kernel for bf16 / fp16 / rowwise-fp8 grouped GEMMs on Hopper (x's rows gathered by a copy
+# first); KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather fused into its loads.
+PERSISTENT = os.environ.get("KERNELKIT_MOE_PERSISTENT", "1") != "0"
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    return t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides)
+
+
+def _persistent(a, weight, a_idx, scales, rows) -> "bool | None":
+    """B_KMAJOR for moe_grouped_tma_kernel (True: the (E, K, N') weight view is K-contiguous, nn.Linear's layout;
+    False: N'-contiguous), or None where it does not apply: MXFP8 operands, 32-bit or unaligned operands, a GPU
+    before Hopper, the CPU without the interpreter."""
+    if not (PERSISTENT and B_TMA) or scales == "mx" or a.dtype != weight.dtype:
+        return None
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return None
+    if a_idx is None and a.stride(1) != 1 and a.shape[1] > 1:  # (a gathered copy is contiguous)
+        return None
+    if weight.is_cuda:
+        if torch.cuda.get_device_capability(weight.device)[0] < 9:
+            return None
+    elif not interpreting():
+        return None
+    k = weight.shape[1]
+    if a_idx is None and a.shape[0] != rows:
+        return None
+    # A's rows: a gathered copy is contiguous (K elements a row); else a's own row stride
+    if not (_aligned(a, k) if a_idx is not None else _aligned(a, a.stride(0))):
+        return None
+    if _b_tma(weight):
+        return True
+    s_e, s_k, s_n = weight.stride()
+    e, _, n = weight.shape
+    if a.dtype == torch.float8_e4m3fn or s_n != 1 or not _aligned(weight, s_e, s_k):
+        return None  # (fp8 MMAs take B K-major)
+    return False if s_k >= n and (s_e >= k * s_k or e == 1) else None
 
 
 def _wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):
