@@ -266,7 +266,7 @@ def _tma_gemm_configs() -> list:
 
 
 @autotune(_tma_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "SCATTER_C", "B_KMAJOR", "SCALES",
-                                    "Q_OUT", "NUM_SMS"],
+                                    "Q_OUT", "NUM_SMS", "TILE_MAP", "PERSIST", "FLATTEN"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the experts' sorted order (gathered before)
@@ -276,7 +276,9 @@ def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the exp
                            OFFS, ROWS, N, K, E, ROWS_BUCKET, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
                            EPILOGUE: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr,
                            STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
-                           Q_OUT: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           Q_OUT: tl.constexpr, E_P2: tl.constexpr, TILES_END, LOG2_E: tl.constexpr,
+                           TILE_MAP: tl.constexpr, PERSIST: tl.constexpr, FLATTEN: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """moe_grouped_gemm_kernel's Hopper path (same epilogues, no gather: A's rows come sorted by expert):
     persistent, one program per SM walking the real (expert row tile, column tile) pairs in grouped order, so
@@ -302,18 +304,48 @@ def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the exp
     end = tl.load(OFFS + es + 1, mask=real, other=0)
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(n_tiles, 0)
-    grid_m = tl.sum(n_tiles, 0)
+    # TILE_MAP "table": TILES_END[BLOCK_M's row][e] = row tiles of experts 0..e (cumulative, made by torch on the
+    # device), searched per tile with LOG2_E scalar loads instead of block-wide reductions.
+    te = TILES_END + (0 if BLOCK_M == 16 else 1 if BLOCK_M == 32 else 2 if BLOCK_M == 64 else 3) * E
+    if TILE_MAP == "table":
+        grid_m = tl.load(te + E - 1)
+    else:
+        grid_m = tl.sum(n_tiles, 0)
+    if not PERSIST:
+        grid_m = tl.cdiv(ROWS, BLOCK_M) + E
     grid_n = tl.cdiv(N, BN)
     k_steps = tl.cdiv(K, BK)
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+    if PERSIST:
+        first = tl.program_id(0)
+        last = grid_m * grid_n
+        step = NUM_SMS
+    else:
+        first = tl.program_id(0)
+        last = first + 1
+        step = 1
+    for tile in tl.range(first, last, step, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
-        e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
-        mine = es == e
-        row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, end, 0), 0)
+        if TILE_MAP == "table":
+            lo = 0
+            hi = E
+            for _ in tl.static_range(LOG2_E):
+                mid = (lo + hi) // 2
+                right = tl.load(te + mid, mask=mid < E, other=2147483647) <= pid_m
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(right, hi, mid)
+            e = lo
+            e_ok = e < E
+            prev = tl.load(te + e - 1, mask=e_ok & (e > 0), other=0)
+            row_end = tl.load(OFFS + e + 1, mask=e_ok, other=0)
+            row0 = tl.load(OFFS + e, mask=e_ok, other=0) + (pid_m - prev) * BLOCK_M
+        else:
+            e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+            mine = es == e
+            row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
+            row_end = tl.sum(tl.where(mine, end, 0), 0)
         acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-        for ks in range(k_steps):
+        for ks in range(tl.where(e < E, k_steps, 0)):  # (no K loop for the non-persistent grid's spare programs)
             a = a_desc.load([row0, ks * BK])
             if B_KMAJOR:
                 b = tl.trans(b_desc.load([e, pid_n * BN, ks * BK]).reshape(BN, BK))
@@ -424,11 +456,19 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
             ensure_tma_allocator()
         sms = num_sms(c.device)
         bs_e = b_scale.stride(0) if scales else 0
-        grid = lambda meta: (min(sms, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
+        persist, tile_map, flatten = TMA_PERSIST, TMA_TILE_MAP, TMA_FLATTEN
+        if tile_map == "table":
+            counts = (offs[1:] - offs[:-1]).to(torch.int32)
+            tiles_end = torch.stack([torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
+                                     for bm in (16, 32, 64, 128)])
+        else:
+            tiles_end = offs
+        grid = lambda meta: (min(sms if persist else 1 << 30, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
                                  * cdiv(n, max(meta["BLOCK_N"], 32 if q_out else 1))),)
         launch(moe_grouped_tma_kernel, grid,
                ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
-                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms),
+                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms, TMA_PERSIST,
+                TMA_TILE_MAP, TMA_FLATTEN),
                a, a.stride(0), weight, weight.stride(0), weight.stride(1), weight.stride(2),
                c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
                zz, zz.stride(0), zz.stride(-1), scale if scale is not None else c, aux, aux.stride(0),
@@ -436,7 +476,8 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
                offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
                EPILOGUE=epilogue, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
                STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision,
-               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
+               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)), TILES_END=tiles_end,
+               LOG2_E=max(1, (e).bit_length()), TILE_MAP=tile_map, PERSIST=persist, FLATTEN=flatten)
         return
     b_tma = _b_tma(weight)
     if b_tma and weight.is_cuda:
@@ -500,6 +541,9 @@ def _b_tma(weight: torch.Tensor) -> bool:
 # The persistent TMA kernel for bf16 / fp16 / rowwise-fp8 grouped GEMMs on Hopper (x's rows gathered by a copy
 # first); KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather fused into its loads.
 PERSISTENT = os.environ.get("KERNELKIT_MOE_PERSISTENT", "1") != "0"
+TMA_PERSIST = os.environ.get("KERNELKIT_MOE_TMA_PERSIST", "1") != "0"
+TMA_FLATTEN = os.environ.get("KERNELKIT_MOE_TMA_FLATTEN", "1") != "0"
+TMA_TILE_MAP = os.environ.get("KERNELKIT_MOE_TILE_MAP", "reduce")
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
