@@ -1,10 +1,10 @@
-"""A/B of the MoE grouped GEMM's Hopper kernels, side by side in one process (GPU): the TMA kernel's variants
-(persistent or one tile per program; tile map by block reductions or a searched table; flattened loop or not) on
-rows gathered beforehand, against the pointer kernel (gather fused or not) and torch._grouped_mm.
-Usage: python3 scripts/moe_persistent_ab.py [--out FILE.json] [--shapes mixtral,qwen3] [--configs all|fixed]"""
+"""A/B of the MoE grouped GEMM's Hopper kernels, side by side in one process (GPU). Gate-up GEMM (SwiGLU epilogue)
+and down GEMM (routing weight, scatter): the pointer kernel (gather fused in its loads, weights through TMA) against
+the persistent TMA kernel with x's rows gathered beforehand (not timed), gathered by a copy inside the call, or
+gathered in its loads; flattened tile loop or not; at fixed 128-row tiles, then autotuned over all configs.
+Usage: KERNELKIT_TUNE_CACHE=0 python3 scripts/moe_persistent_ab.py [--out FILE.json] [--shapes mixtral,qwen3]"""
 
 import argparse
-import itertools
 import json
 import time
 
@@ -12,83 +12,107 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from kernelkit import tune
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops import registry
 from kernelkit.testing.bench import env_fingerprint
-from kernelkit.tune import chosen_configs
 
 SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
           "deepseek-v3": (8192, 7168, 2048, 256, 8)}
+KNOBS = ("PERSISTENT", "TMA_GATHER", "TMA_FLATTEN", "TMA_PERSIST", "TMA_TILE_MAP")
+
+
+def variant(name, **knobs):
+    return name, {"PERSISTENT": True, "TMA_GATHER": False, "TMA_FLATTEN": False, "TMA_PERSIST": True,
+                  "TMA_TILE_MAP": "reduce", **knobs}
+
+
+VARIANTS = [variant("pointer", PERSISTENT=False), variant("tma_pregathered"), variant("tma_copy"),
+            variant("tma_gather", TMA_GATHER=True), variant("tma_gather_flat", TMA_GATHER=True, TMA_FLATTEN=True),
+            variant("tma_copy_flat", TMA_FLATTEN=True), variant("tma_copy_table", TMA_TILE_MAP="table")]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--shapes", default="mixtral,qwen3")
-    ap.add_argument("--configs", default="fixed", help="fixed: 128x128x64 tiles, 8 warps, 3 or 4 stages")
-    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--shapes", default="mixtral,qwen3,deepseek-v3")
+    ap.add_argument("--tuned", default="pointer,tma_copy,tma_gather", help="variants also run autotuned")
+    ap.add_argument("--rep", type=int, default=60)
     args = ap.parse_args()
-    if args.configs == "fixed":
-        G.moe_grouped_tma_kernel.configs = [c for c in G.moe_grouped_tma_kernel.configs
-                                            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
-                                                c.num_warps) == (128, 128, 64, 8)]
+    all_configs = G.moe_grouped_tma_kernel.configs
+    fixed = [c for c in all_configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+             in ((128, 128, 64, 8), (128, 256, 64, 8))]
     rows = []
     spec = registry.get("moe")
+    saved = {k: getattr(G, k) for k in KNOBS}
     for label in args.shapes.split(","):
         shape = SHAPES[label]
         (x, router, gate_up, down, k), _ = spec.make_inputs(shape, torch.bfloat16, "cuda",
                                                             torch.Generator(device="cuda").manual_seed(0))
         t, hidden, inter, n_exp, _ = shape
-        _, experts = M.route(x, router, k)
+        weights, experts = M.route(x, router, k)
         order, offs = M._permute(experts, n_exp)
         tokens = order // k
+        w_rows = weights.reshape(-1)[order].float()
         x_perm = x[tokens]
         h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * t * k * hidden * 2 * inter
-        row = {"shape": label, "dims": list(shape), "tflops": {}, "max_abs_diff_vs_pointer": {}}
-        ref = None
-        variants = [("pointer_fused_gather", False, None), ("pointer_pregathered", False, None)]
-        variants += [(f"tma_{'persist' if p else 'grid'}_{tm}{'_flat' if fl else ''}", True, (p, tm, fl))
-                     for p, tm, fl in itertools.product((True, False), ("reduce", "table"), (True, False))
-                     if p or not fl]
-        for name, persistent, knobs in variants:
-            G.PERSISTENT = persistent
-            if knobs:
-                G.TMA_PERSIST, G.TMA_TILE_MAP, G.TMA_FLATTEN = knobs
-            gathered = name == "pointer_fused_gather"
-
-            def run():
-                if gathered:
-                    M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=tokens, epilogue="swiglu")
-                else:
-                    M._grouped_gemm(x_perm, gate_up.transpose(1, 2), h, offs, inter, epilogue="swiglu")
-            try:
-                start = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                tune_s = time.perf_counter() - start
-                ms = do_bench(run, rep=args.rep, return_mode="median")
-                row["tflops"][name] = flops / ms / 1e9
-                if ref is None:
-                    ref = h.clone()
-                else:
-                    row["max_abs_diff_vs_pointer"][name] = (h.float() - ref.float()).abs().max().item()
-                print(f"{label} {name}: {flops / ms / 1e9:.0f} TF/s ({ms:.3f} ms, first call {tune_s:.1f} s)",
-                      flush=True)
-            except Exception as e:  # noqa: BLE001
-                row["tflops"][name] = f"{type(e).__name__}: {e}"[:300]
-                print(f"{label} {name}: {row['tflops'][name]}", flush=True)
-        G.PERSISTENT = True
+        row = {"shape": label, "dims": list(shape), "gate_up_tflops": {}, "down_tflops": {}, "max_abs_diff": {}}
+        refs = {}
+        for configs in ("fixed", "tuned"):
+            G.moe_grouped_tma_kernel.configs = fixed if configs == "fixed" else all_configs
+            for name, knobs in VARIANTS:
+                if configs == "tuned" and name not in args.tuned.split(","):
+                    continue
+                tag = f"{name}_{configs}"
+                for key, value in knobs.items():
+                    setattr(G, key, value)
+                G.moe_grouped_tma_kernel.cache.clear()
+                for key in [kk for kk in tune._chosen if kk[0] is G.moe_grouped_tma_kernel]:
+                    del tune._chosen[key]
+                pre = name == "tma_pregathered"
+                gemms = {"gate_up": (lambda: M._grouped_gemm(x_perm if pre else x, gate_up.transpose(1, 2), h, offs,
+                                                             inter, a_idx=None if pre else tokens, epilogue="swiglu"),
+                                     flops, h),
+                         "down": (lambda: M._grouped_gemm(h, down.transpose(1, 2), y, offs, hidden, c_idx=order,
+                                                          scale=w_rows), flops / 2, y)}
+                for which, (run, fl, out) in gemms.items():
+                    if which == "down" and name not in ("pointer", "tma_copy", "tma_copy_flat", "tma_copy_table"):
+                        continue
+                    try:
+                        start = time.perf_counter()
+                        run()
+                        torch.cuda.synchronize()
+                        tune_s = time.perf_counter() - start
+                        ms = do_bench(run, rep=args.rep, return_mode="median")
+                        row[f"{which}_tflops"][tag] = fl / ms / 1e9
+                        if which not in refs:
+                            refs[which] = out.clone()
+                        else:
+                            row["max_abs_diff"][f"{which}_{tag}"] = (out.float() - refs[which].float()).abs().max().item()
+                        print(f"{label} {which} {tag}: {fl / ms / 1e9:.0f} TF/s ({ms:.3f} ms, first call {tune_s:.1f} s)",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        row[f"{which}_tflops"][tag] = f"{type(e).__name__}: {e}"[:300]
+                        print(f"{label} {which} {tag}: {row[f'{which}_tflops'][tag]}", flush=True)
+                for key, value in saved.items():
+                    setattr(G, key, value)
         ms = do_bench(lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]), rep=args.rep,
                       return_mode="median")
-        row["tflops"]["torch._grouped_mm"] = flops / ms / 1e9
-        print(f"{label} torch._grouped_mm: {flops / ms / 1e9:.0f} TF/s", flush=True)
+        row["gate_up_tflops"]["torch._grouped_mm"] = flops / ms / 1e9
+        hh = h.clone()
+        ms = do_bench(lambda: torch._grouped_mm(hh, down.transpose(1, 2), offs=offs[1:]), rep=args.rep,
+                      return_mode="median")
+        row["down_tflops"]["torch._grouped_mm"] = flops / 2 / ms / 1e9
+        print(f"{label} torch._grouped_mm: gate-up {row['gate_up_tflops']['torch._grouped_mm']:.0f} TF/s, down "
+              f"{row['down_tflops']['torch._grouped_mm']:.0f} TF/s", flush=True)
         rows.append(row)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"env": env_fingerprint(), "triton": triton.__version__, "configs": args.configs,
-                           "rows": rows, "tuned_configs": chosen_configs()}, f, indent=1)
+                json.dump({"env": env_fingerprint(), "triton": triton.__version__, "rows": rows,
+                           "tuned_configs": tune.chosen_configs()}, f, indent=1)
         torch.cuda.empty_cache()
 
 

@@ -266,16 +266,17 @@ def _tma_gemm_configs() -> list:
 
 
 @autotune(_tma_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "SCATTER_C", "B_KMAJOR", "SCALES",
-                                    "Q_OUT", "NUM_SMS", "TILE_MAP", "PERSIST", "FLATTEN"],
+                                    "Q_OUT", "NUM_SMS", "TILE_MAP", "PERSIST", "FLATTEN", "GATHER_A"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
-def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the experts' sorted order (gathered before)
+def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r at A_IDX[r] with GATHER_A
                            B, stride_be, stride_bk, stride_bn,  # expert e's weight as (K, N'); one of bk, bn is 1
                            C, C_IDX, stride_cm, stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux,
                            A_SCALE, B_SCALE, stride_bse,  # SCALES "rowwise": one fp32 per A row, (E, N') per channel
                            OFFS, ROWS, N, K, E, ROWS_BUCKET, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
-                           EPILOGUE: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
+                           EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
+                           HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                           SCALES: tl.constexpr,
                            Q_OUT: tl.constexpr, E_P2: tl.constexpr, TILES_END, LOG2_E: tl.constexpr,
                            TILE_MAP: tl.constexpr, PERSIST: tl.constexpr, FLATTEN: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -290,7 +291,8 @@ def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the exp
     BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K
     BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
     NT = 2 * N if EPILOGUE == "swiglu" else N
-    a_desc = tl.make_tensor_descriptor(A, shape=[ROWS, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BK])
+    if not GATHER_A:
+        a_desc = tl.make_tensor_descriptor(A, shape=[ROWS, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BK])
     if B_KMAJOR:
         b_desc = tl.make_tensor_descriptor(B, shape=[E, NT, K], strides=[stride_be, stride_bn, 1],
                                            block_shape=[1, BN, BK])
@@ -343,10 +345,22 @@ def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the exp
             mine = es == e
             row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
             row_end = tl.sum(tl.where(mine, end, 0), 0)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        m_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        if GATHER_A:  # the permutation in the loads (pointer loads; the weights still through TMA)
+            a_rows = tl.load(A_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+            a_ptrs = A + a_rows[:, None] * stride_am + tl.arange(0, BK)[None, :] * stride_ak
+        else:
+            a_rows = rows64
         acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
         for ks in range(tl.where(e < E, k_steps, 0)):  # (no K loop for the non-persistent grid's spare programs)
-            a = a_desc.load([row0, ks * BK])
+            if GATHER_A:
+                a = tl.load(a_ptrs + ks * BK * stride_ak, mask=m_ok[:, None] & (ks * BK + tl.arange(0, BK) < K)[None, :],
+                            other=0.0)
+            else:
+                a = a_desc.load([row0, ks * BK])
             if B_KMAJOR:
                 b = tl.trans(b_desc.load([e, pid_n * BN, ks * BK]).reshape(BN, BK))
             else:
@@ -363,11 +377,8 @@ def moe_grouped_tma_kernel(A, stride_am,  # A (ROWS, K) K-contiguous, in the exp
                 if INTERPRETER_DOT:
                     u = u.to(tl.float32)
                 acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        m_ok = rows < row_end
-        rows64 = rows.to(tl.int64)
         rn64 = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        _epilogue(acc, acc_up, rows, rows64, m_ok, rows64, rn64, rn64 < N, pid_n, e, C, C_IDX, stride_cm,
+        _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, rn64 < N, pid_n, e, C, C_IDX, stride_cm,
                   stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
                   EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, SCALES, Q_OUT, BLOCK_M, BN)
 
@@ -449,7 +460,8 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     bucket = next_pow2(rows)
     b_kmajor = _persistent(a, weight, a_idx, scales, rows)
     if b_kmajor is not None:
-        if a_idx is not None:  # gathered once by a copy, so the GEMM's rows are contiguous boxes for the TMA engine
+        gather = a_idx is not None and TMA_GATHER
+        if a_idx is not None and not gather:  # gathered by a copy: the GEMM's rows are contiguous TMA boxes
             a = a.index_select(0, a_idx)
             a_scale = a_scale.index_select(0, a_idx) if scales else None
         if weight.is_cuda:
@@ -468,13 +480,14 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
         launch(moe_grouped_tma_kernel, grid,
                ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
                 z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms, TMA_PERSIST,
-                TMA_TILE_MAP, TMA_FLATTEN),
-               a, a.stride(0), weight, weight.stride(0), weight.stride(1), weight.stride(2),
+                TMA_TILE_MAP, TMA_FLATTEN, gather),
+               a, a_idx if gather else offs, a.stride(0), a.stride(1), weight, weight.stride(0), weight.stride(1),
+               weight.stride(2),
                c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
                zz, zz.stride(0), zz.stride(-1), scale if scale is not None else c, aux, aux.stride(0),
                a_scale if scales else aux, b_scale if scales else aux, bs_e,
                offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
-               EPILOGUE=epilogue, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
+               EPILOGUE=epilogue, GATHER_A=gather, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
                STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision,
                SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)), TILES_END=tiles_end,
                LOG2_E=max(1, (e).bit_length()), TILE_MAP=tile_map, PERSIST=persist, FLATTEN=flatten)
@@ -544,6 +557,7 @@ PERSISTENT = os.environ.get("KERNELKIT_MOE_PERSISTENT", "1") != "0"
 TMA_PERSIST = os.environ.get("KERNELKIT_MOE_TMA_PERSIST", "1") != "0"
 TMA_FLATTEN = os.environ.get("KERNELKIT_MOE_TMA_FLATTEN", "1") != "0"
 TMA_TILE_MAP = os.environ.get("KERNELKIT_MOE_TILE_MAP", "reduce")
+TMA_GATHER = os.environ.get("KERNELKIT_MOE_TMA_GATHER", "0") != "0"
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
