@@ -88,6 +88,8 @@ def main():
                         tune_s = time.perf_counter() - start
                         ms = do_bench(run, rep=args.rep, return_mode="median")
                         row[f"{which}_tflops"][tag] = fl / ms / 1e9
+                        kern = G.moe_grouped_gemm_kernel if name == "pointer" else G.moe_grouped_tma_kernel
+                        row.setdefault("configs", {})[f"{which}_{tag}"] = str(kern.best_config)
                         if which not in refs:
                             refs[which] = out.clone()
                         else:
