@@ -213,12 +213,16 @@ def gate_up_rows(label, shape, args, rep, peak):
                 c_scales=hs)),
             ("kernelkit_quantized_h", lambda: M._grouped_gemm(x, gate_up.transpose(1, 2), hq, offs, inter, a_idx=rows,
                                                               epilogue="swiglu", c_scales=hs))):
+        if not want(name):
+            continue
         try:
             call()
         except Exception:  # noqa: BLE001 - measure records the error
             pass
         measure(row, name, call, flops, rep, peak)
     try:  # the upcast path's quantized h against torch._grouped_mm on the dequantized operands
+        if not want("kernelkit_mxfp8_upcast"):
+            raise LookupError("not measured (--only)")
         ref = torch._grouped_mm(mxfp8_dequantize(xm, xms)[rows], gud.transpose(1, 2), offs=offs[1:]).float()
         ref = F.silu(ref[:, :inter]) * ref[:, inter:]
         M._grouped_gemm(mxfp8_dequantize(xm, xms, bf), gud.transpose(1, 2), hq, offs, inter, a_idx=rows,
@@ -229,6 +233,8 @@ def gate_up_rows(label, shape, args, rep, peak):
         row["kernelkit_mxfp8_upcast_quantized_h_max_rel_err"] = f"{type(e).__name__}: {e}"[:200]
     gud = None  # the bf16 copy freed before the next rows
     for name, mode in (("kernelkit_mxfp8_dequant", "dequant"),):
+        if not want(name):
+            continue
         G.MX_MODE = mode
         try:
             for out, scales, suffix in ((h, None, ""), (hq, hs, "_quantized_h")):

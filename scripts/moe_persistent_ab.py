@@ -1,7 +1,7 @@
 """A/B of the MoE grouped GEMM's Hopper kernels, side by side in one process (GPU). Gate-up GEMM (SwiGLU epilogue)
 and down GEMM (routing weight, scatter): the pointer kernel (gather fused in its loads, weights through TMA) against
 the persistent TMA kernel with x's rows gathered beforehand (not timed), gathered by a copy inside the call, or
-gathered in its loads; flattened tile loop or not; at fixed 128-row tiles, then autotuned over all configs.
+gathered in its loads; at fixed 128-row tiles, then autotuned over all configs.
 Usage: KERNELKIT_TUNE_CACHE=0 python3 scripts/moe_persistent_ab.py [--out FILE.json] [--shapes mixtral,qwen3]"""
 
 import argparse
@@ -20,17 +20,18 @@ from kernelkit.testing.bench import env_fingerprint
 
 SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
           "deepseek-v3": (8192, 7168, 2048, 256, 8)}
-KNOBS = ("PERSISTENT", "TMA_GATHER", "TMA_FLATTEN", "TMA_PERSIST", "TMA_TILE_MAP")
+KNOBS = ("PERSISTENT", "TMA_GATHER")
 
 
 def variant(name, **knobs):
-    return name, {"PERSISTENT": True, "TMA_GATHER": False, "TMA_FLATTEN": False, "TMA_PERSIST": True,
-                  "TMA_TILE_MAP": "reduce", **knobs}
+    return name, {"PERSISTENT": True, "TMA_GATHER": "auto", **knobs}
 
 
-VARIANTS = [variant("pointer", PERSISTENT=False), variant("tma_pregathered"), variant("tma_copy"),
-            variant("tma_gather", TMA_GATHER=True), variant("tma_gather_flat", TMA_GATHER=True, TMA_FLATTEN=True),
-            variant("tma_copy_flat", TMA_FLATTEN=True), variant("tma_copy_table", TMA_TILE_MAP="table")]
+# (Variants measured in moe_persistent_ab.json / moe_persistent_ab2.json and since removed from the kernel: one
+# tile per program, a flattened tile loop, a searched tile table; this script at commit 'A/B script records each
+# variant's config' ran them.)
+VARIANTS = [variant("pointer", PERSISTENT=False), variant("tma_pregathered"), variant("tma_copy", TMA_GATHER="copy"),
+            variant("tma_gather", TMA_GATHER="loads")]
 
 
 def main():
@@ -79,7 +80,7 @@ def main():
                          "down": (lambda: M._grouped_gemm(h, down.transpose(1, 2), y, offs, hidden, c_idx=order,
                                                           scale=w_rows), flops / 2, y)}
                 for which, (run, fl, out) in gemms.items():
-                    if which == "down" and name not in ("pointer", "tma_copy", "tma_copy_flat", "tma_copy_table"):
+                    if which == "down" and name not in ("pointer", "tma_copy"):
                         continue
                     try:
                         start = time.perf_counter()

@@ -670,7 +670,7 @@ def test_nn_moe_deepseek_routing(device):
         M.MoE(32, 16, 8, 2, n_group=3)
 
 
-def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles():
+def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
     # The persistent TMA grouped GEMM as the forward, the backward's dgrads and fp8 launch it (K-major and
     # N-major weight descriptors, every epilogue), at the Hopper tiles its autotuner picks from, for sm_90.
     from kernelkit.testing import compile_check
@@ -682,13 +682,16 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles():
     args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
     leaves = [a.clone().requires_grad_() for a in args[:4]]
     with compile_check.record_launches(records):
-        M.moe(*leaves, args[4]).float().square().sum().backward()
-        M.moe(*args, precision="fp8")
+        for gather in ("copy", "loads"):
+            monkeypatch.setattr(G, "TMA_GATHER", gather)
+            M.moe(*leaves, args[4]).float().square().sum().backward()
+            M.moe(*args, precision="fp8")
     launches = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_tma_kernel")]
-    kinds = {(r["args"]["EPILOGUE"]["value"], r["args"]["B_KMAJOR"]["value"], r["args"]["SCALES"]["value"])
-             for r in launches}
-    assert kinds == {("swiglu", True, ""), ("none", True, ""), ("swiglu_bwd", False, ""), ("none", False, ""),
-                     ("swiglu", True, "rowwise"), ("none", True, "rowwise")}, kinds
+    kinds = {(r["args"]["EPILOGUE"]["value"], r["args"]["B_KMAJOR"]["value"], r["args"]["SCALES"]["value"],
+              r["args"]["GATHER_A"]["value"]) for r in launches}
+    assert kinds == {("swiglu", True, "", False), ("none", True, "", False), ("swiglu_bwd", False, "", False),
+                     ("none", False, "", False), ("swiglu", True, "rowwise", False), ("none", True, "rowwise", False),
+                     ("swiglu", True, "", True), ("swiglu_bwd", False, "", True), ("swiglu", True, "rowwise", True)}, kinds
     variants = []
     for r in launches:
         a = r["args"]

@@ -66,18 +66,21 @@ def kernels(monkeypatch):
     original = G.launch
 
     def spy(kernel, grid, key, *args, **kwargs):
-        launched.append((key[0], kwargs.get("EPILOGUE"), kwargs.get("B_KMAJOR")))
+        launched.append((key[0], kwargs.get("EPILOGUE"), kwargs.get("B_KMAJOR"), kwargs.get("GATHER_A")))
         return original(kernel, grid, key, *args, **kwargs)
 
     monkeypatch.setattr(G, "launch", spy)
     return launched
 
 
+@pytest.mark.parametrize("gather", ["copy", "loads"])
 @pytest.mark.parametrize("routing", ["balanced", "empty_experts", "one_expert", "every_expert"])
-def test_persistent_kernel_against_float64(routing, device, kernels):
+def test_persistent_kernel_against_float64(routing, gather, device, kernels, monkeypatch):
     # bf16 with 16-byte rows: every grouped GEMM of the forward and backward runs the persistent TMA kernel (x and
-    # dout gathered by a copy first; the dgrads' weights N-contiguous). Odd token counts put expert boundaries
-    # inside row tiles (a tile reads the next expert's rows and must not store them); empty experts own no tile.
+    # dout gathered by a copy first, or in its loads; the dgrads' weights N-contiguous). Odd token counts put expert
+    # boundaries inside row tiles (a tile reads the next expert's rows and must not store them); empty experts own
+    # no tile.
+    monkeypatch.setattr(G, "TMA_GATHER", gather)
     shape = {"balanced": (45, 32, 48, 5, 2), "empty_experts": (41, 40, 24, 6, 2), "one_expert": (23, 32, 32, 4, 1),
              "every_expert": (19, 24, 40, 3, 3)}[routing]
     args = _inputs(shape, torch.bfloat16, device, seed=len(routing))
@@ -94,8 +97,10 @@ def test_persistent_kernel_against_float64(routing, device, kernels):
     rep = check(M.moe, M.reference, args, {"renormalize": shape[4] > 1}, grad_args=(0, 1, 2, 3),
                 tol=SPEC.tolerances.get("bfloat16"), run_twice=False)
     rep.raise_if_failed()
-    tma = [(epi, kmajor) for kind, epi, kmajor in kernels if kind == "gemm_tma"]
-    assert {("swiglu", True), ("none", True), ("swiglu_bwd", False), ("none", False)} <= set(tma), kernels
+    tma = [(epi, kmajor, gathered) for kind, epi, kmajor, gathered in kernels if kind == "gemm_tma"]
+    in_loads = gather == "loads"
+    assert {("swiglu", True, in_loads), ("none", True, False), ("swiglu_bwd", False, in_loads),
+            ("none", False, False)} <= set(tma), kernels
     assert not [k for k in kernels if k[0] == "gemm"], "a grouped GEMM fell back to the pointer kernel"
 
 

@@ -266,7 +266,7 @@ def _tma_gemm_configs() -> list:
 
 
 @autotune(_tma_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "SCATTER_C", "B_KMAJOR", "SCALES",
-                                    "Q_OUT", "NUM_SMS", "TILE_MAP", "PERSIST", "FLATTEN", "GATHER_A"],
+                                    "Q_OUT", "NUM_SMS", "GATHER_A"],
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r at A_IDX[r] with GATHER_A
@@ -277,17 +277,17 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
                            EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
                            HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                            SCALES: tl.constexpr,
-                           Q_OUT: tl.constexpr, E_P2: tl.constexpr, TILES_END, LOG2_E: tl.constexpr,
-                           TILE_MAP: tl.constexpr, PERSIST: tl.constexpr, FLATTEN: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           Q_OUT: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """moe_grouped_gemm_kernel's Hopper path (same epilogues, no gather: A's rows come sorted by expert):
-    persistent, one program per SM walking the real (expert row tile, column tile) pairs in grouped order, so
-    no program is launched for an empty or short expert and the next tile's loads overlap the last tile's
-    epilogue; both operands copied by the TMA engine. A through one 2-D descriptor over all rows: a tile that
-    crosses its expert's end reads the next expert's rows, which are computed but not stored (m_ok). The weights
-    through one 3-D descriptor (E, N', K) (B_KMAJOR, nn.Linear's layout: the forward) or (E, K, N') (the dgrads),
-    boxes past an expert's K or N' reading zeros."""
+    """moe_grouped_gemm_kernel's Hopper path (same epilogues): persistent, one program per SM walking the real
+    (expert row tile, column tile) pairs in grouped order, so no program is launched for an empty or short expert.
+    The weights through one 3-D tensor descriptor, (E, N', K) (B_KMAJOR: nn.Linear's layout, the forward) or
+    (E, K, N') (the dgrads), boxes past an expert's K or N' reading zeros. A's rows come sorted by expert through
+    a 2-D descriptor over all rows (a tile that crosses its expert's end reads the next expert's rows, computed but
+    not stored: m_ok), or with GATHER_A through pointer loads of the rows A_IDX names.
+    Measured on the H100 (benchmarks/results/h100/moe/moe_persistent_ab*.json): one tile per program over the
+    upper-bound grid, a flattened tile loop, and the tile map as a table searched with scalar loads were all as
+    fast or slower than this."""
     BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K
     BN: tl.constexpr = 32 if Q_OUT and BLOCK_N < 32 else BLOCK_N
     NT = 2 * N if EPILOGUE == "swiglu" else N
@@ -299,52 +299,22 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[E, K, NT], strides=[stride_be, stride_bk, 1],
                                            block_shape=[1, BK, BN])
-    # The tile map once per program (see _expert_of_tile): the real row tiles of every expert, from the offsets.
+    # The tile map once per program (as _expert_of_tile's): the real row tiles of every expert, from the offsets.
     es = tl.arange(0, E_P2)
     real = es < E
     start = tl.load(OFFS + es, mask=real, other=0)
     end = tl.load(OFFS + es + 1, mask=real, other=0)
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(n_tiles, 0)
-    # TILE_MAP "table": TILES_END[BLOCK_M's row][e] = row tiles of experts 0..e (cumulative, made by torch on the
-    # device), searched per tile with LOG2_E scalar loads instead of block-wide reductions.
-    te = TILES_END + (0 if BLOCK_M == 16 else 1 if BLOCK_M == 32 else 2 if BLOCK_M == 64 else 3) * E
-    if TILE_MAP == "table":
-        grid_m = tl.load(te + E - 1)
-    else:
-        grid_m = tl.sum(n_tiles, 0)
-    if not PERSIST:
-        grid_m = tl.cdiv(ROWS, BLOCK_M) + E
+    grid_m = tl.sum(n_tiles, 0)
     grid_n = tl.cdiv(N, BN)
     k_steps = tl.cdiv(K, BK)
-    if PERSIST:
-        first = tl.program_id(0)
-        last = grid_m * grid_n
-        step = NUM_SMS
-    else:
-        first = tl.program_id(0)
-        last = first + 1
-        step = 1
-    for tile in tl.range(first, last, step, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
-        if TILE_MAP == "table":
-            lo = 0
-            hi = E
-            for _ in tl.static_range(LOG2_E):
-                mid = (lo + hi) // 2
-                right = tl.load(te + mid, mask=mid < E, other=2147483647) <= pid_m
-                lo = tl.where(right, mid + 1, lo)
-                hi = tl.where(right, hi, mid)
-            e = lo
-            e_ok = e < E
-            prev = tl.load(te + e - 1, mask=e_ok & (e > 0), other=0)
-            row_end = tl.load(OFFS + e + 1, mask=e_ok, other=0)
-            row0 = tl.load(OFFS + e, mask=e_ok, other=0) + (pid_m - prev) * BLOCK_M
-        else:
-            e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
-            mine = es == e
-            row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
-            row_end = tl.sum(tl.where(mine, end, 0), 0)
+        e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+        mine = es == e
+        row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, end, 0), 0)
         rows = row0 + tl.arange(0, BLOCK_M)
         m_ok = rows < row_end
         rows64 = rows.to(tl.int64)
@@ -355,7 +325,8 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
             a_rows = rows64
         acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-        for ks in range(tl.where(e < E, k_steps, 0)):  # (no K loop for the non-persistent grid's spare programs)
+        # (e < E always: the guard is the loop form that was measured, as fast as or faster than range(k_steps))
+        for ks in range(tl.where(e < E, k_steps, 0)):
             if GATHER_A:
                 a = tl.load(a_ptrs + ks * BK * stride_ak, mask=m_ok[:, None] & (ks * BK + tl.arange(0, BK) < K)[None, :],
                             other=0.0)
@@ -460,7 +431,8 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     bucket = next_pow2(rows)
     b_kmajor = _persistent(a, weight, a_idx, scales, rows)
     if b_kmajor is not None:
-        gather = a_idx is not None and TMA_GATHER
+        n_out = 2 * n if epilogue == "swiglu" else n
+        gather = a_idx is not None and (TMA_GATHER == "loads" or TMA_GATHER == "auto" and n_out < COPY_GATHER_MIN_N)
         if a_idx is not None and not gather:  # gathered by a copy: the GEMM's rows are contiguous TMA boxes
             a = a.index_select(0, a_idx)
             a_scale = a_scale.index_select(0, a_idx) if scales else None
@@ -468,19 +440,11 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
             ensure_tma_allocator()
         sms = num_sms(c.device)
         bs_e = b_scale.stride(0) if scales else 0
-        persist, tile_map, flatten = TMA_PERSIST, TMA_TILE_MAP, TMA_FLATTEN
-        if tile_map == "table":
-            counts = (offs[1:] - offs[:-1]).to(torch.int32)
-            tiles_end = torch.stack([torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
-                                     for bm in (16, 32, 64, 128)])
-        else:
-            tiles_end = offs
-        grid = lambda meta: (min(sms if persist else 1 << 30, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
+        grid = lambda meta: (min(sms, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
                                  * cdiv(n, max(meta["BLOCK_N"], 32 if q_out else 1))),)
         launch(moe_grouped_tma_kernel, grid,
                ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
-                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms, TMA_PERSIST,
-                TMA_TILE_MAP, TMA_FLATTEN, gather),
+                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms, gather),
                a, a_idx if gather else offs, a.stride(0), a.stride(1), weight, weight.stride(0), weight.stride(1),
                weight.stride(2),
                c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
@@ -489,8 +453,7 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
                offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
                EPILOGUE=epilogue, GATHER_A=gather, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
                STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision,
-               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)), TILES_END=tiles_end,
-               LOG2_E=max(1, (e).bit_length()), TILE_MAP=tile_map, PERSIST=persist, FLATTEN=flatten)
+               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
         return
     b_tma = _b_tma(weight)
     if b_tma and weight.is_cuda:
@@ -554,10 +517,14 @@ def _b_tma(weight: torch.Tensor) -> bool:
 # The persistent TMA kernel for bf16 / fp16 / rowwise-fp8 grouped GEMMs on Hopper (x's rows gathered by a copy
 # first); KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather fused into its loads.
 PERSISTENT = os.environ.get("KERNELKIT_MOE_PERSISTENT", "1") != "0"
-TMA_PERSIST = os.environ.get("KERNELKIT_MOE_TMA_PERSIST", "1") != "0"
-TMA_FLATTEN = os.environ.get("KERNELKIT_MOE_TMA_FLATTEN", "1") != "0"
-TMA_TILE_MAP = os.environ.get("KERNELKIT_MOE_TILE_MAP", "reduce")
-TMA_GATHER = os.environ.get("KERNELKIT_MOE_TMA_GATHER", "0") != "0"
+# How its rows of x (and of dout) are gathered: "auto" copies them first (index_select) for wide outputs, where the
+# copy is a small share of the GEMM and TMA boxes beat pointer loads, and gathers in the loads otherwise (the copy
+# would cost 5-13%); measured on the H100 (moe_persistent_ab2.json), gate-up TFLOP/s copy / in-load:
+# Mixtral 640-650 / 584-614, Qwen3 444-461 / 503-523, DeepSeek-V3 450-465 / 463-476. "copy" and "loads" force one.
+TMA_GATHER = os.environ.get("KERNELKIT_MOE_GATHER", "auto")
+if TMA_GATHER not in ("auto", "copy", "loads"):
+    raise ValueError(f"KERNELKIT_MOE_GATHER must be auto, copy or loads, got {TMA_GATHER!r}")
+COPY_GATHER_MIN_N = 8192  # "auto": output columns (gate and up together) from which the rows are copied
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
