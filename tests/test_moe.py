@@ -704,3 +704,34 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
                              "options": {"num_warps": warps, "num_stages": 3}})
     failures = compile_check.compile_in_subprocess(variants)
     assert not failures, "\n".join(failures)
+
+
+def test_saved_activations_are_freed_by_the_backward(device, monkeypatch):
+    # The forward keeps z (gate | up) and not h; the backward writes h again in its SwiGLU epilogue and frees z
+    # before the weight gradients. A second backward through the graph then says so, unless KEEP_SAVED.
+    args = _inputs((29, 32, 24, 4, 2), torch.float32, device, seed=21)
+    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    out = M.moe(*leaves, args[4])
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward.*KERNELKIT_MOE_KEEP_SAVED"):
+        out.sum().backward()
+    monkeypatch.setattr(M, "KEEP_SAVED", True)
+    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    out = M.moe(*leaves, args[4])
+    out.sum().backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    out.sum().backward()
+    for t, g in zip(leaves, first):
+        torch.testing.assert_close(t.grad, 2 * g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_weight_gradient_alone(dtype, device):
+    # Only the down weight requires grad: no SwiGLU backward runs, so h comes from z in torch.
+    x, router, gu, down, k = _inputs((31, 32, 40, 5, 2), dtype, device, seed=22)
+    d = down.clone().requires_grad_()
+    M.moe(x, router, gu, d, k).float().square().sum().backward()
+    dd = down.double().requires_grad_()
+    M.reference(x.double(), router.double(), gu.double(), dd, k).square().sum().backward()
+    err = ((d.grad.double() - dd.grad).norm() / dd.grad.norm()).item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err

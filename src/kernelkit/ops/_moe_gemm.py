@@ -63,9 +63,9 @@ def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, C_IDX, stride_cm, stride_cn,
-              Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+              Z, stride_zm, stride_zn, H, stride_hm, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
               EPILOGUE: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr,
-              SCALES: tl.constexpr, Q_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+              STORE_H: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
     """The grouped GEMMs' shared epilogue on one (BLOCK_M, BN) fp32 tile (and its up half for swiglu): rowwise
     dequantization, SwiGLU / its backward, the routing weight, the row scatter and the store (MXFP8 with Q_OUT).
     rows: the tile's rows in the sorted order (m_ok: inside its expert); a_rows: where A's rows (and their rowwise
@@ -91,6 +91,8 @@ def _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, 
         silu = gate * sig
         # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
         tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
+        if STORE_H:  # h again, for the down weight's gradient (the forward did not keep it)
+            tl.store(H + rows64[:, None] * stride_hm + rn64[None, :], (silu * up).to(H.dtype.element_ty), mask=mask)
         dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
         tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
                  mask=mask)
@@ -137,12 +139,14 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                             B, stride_be, stride_bk, stride_bn,  # expert e's weight read as (K, N) [(K, 2N): swiglu]
                             C, C_IDX, stride_cm, stride_cn,  # C (rows, N) [(rows, 2N): swiglu_bwd]; row r at C_IDX[r]
                             Z, stride_zm, stride_zn,  # gate | up pre-activations (rows, 2N)
+                            H, stride_hm,  # swiglu_bwd with STORE_H: h = silu(gate) * up recomputed (rows, N)
                             SCALE,  # routing weight per row (HAS_SCALE)
                             AUX, stride_aux,  # swiglu_bwd: (rows, N tiles) partial sums of dh * h; Q_OUT: C's scales
                             A_SCALE, stride_as, B_SCALE, stride_bse, stride_bsn,  # SCALES: A's and B's (see below)
                             OFFS, ROWS, N, K, E, ROWS_BUCKET,  # expert e owns rows [OFFS[e], OFFS[e + 1])
                             EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, STORE_H: tl.constexpr,
+                            INPUT_PRECISION: tl.constexpr,
                             B_TMA: tl.constexpr, SCALES: tl.constexpr, Q_OUT: tl.constexpr, MX_MODE: tl.constexpr,
                             E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr):
@@ -252,8 +256,8 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
                                        INPUT_PRECISION)
 
     _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, C_IDX, stride_cm, stride_cn,
-              Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
-              EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, SCALES, Q_OUT, BLOCK_M, BN)
+              Z, stride_zm, stride_zn, H, stride_hm, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+              EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, STORE_H, SCALES, Q_OUT, BLOCK_M, BN)
 
 
 def _tma_gemm_configs() -> list:
@@ -271,12 +275,12 @@ def _tma_gemm_configs() -> list:
 @triton.jit
 def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r at A_IDX[r] with GATHER_A
                            B, stride_be, stride_bk, stride_bn,  # expert e's weight as (K, N'); one of bk, bn is 1
-                           C, C_IDX, stride_cm, stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux,
+                           C, C_IDX, stride_cm, stride_cn, Z, stride_zm, stride_zn, H, stride_hm, SCALE, AUX, stride_aux,
                            A_SCALE, B_SCALE, stride_bse,  # SCALES "rowwise": one fp32 per A row, (E, N') per channel
                            OFFS, ROWS, N, K, E, ROWS_BUCKET, NUM_SMS: tl.constexpr, B_KMAJOR: tl.constexpr,
                            EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
-                           HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                           SCALES: tl.constexpr,
+                           HAS_SCALE: tl.constexpr, STORE_Z: tl.constexpr, STORE_H: tl.constexpr,
+                           INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
                            Q_OUT: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """moe_grouped_gemm_kernel's Hopper path (same epilogues): persistent, one program per SM walking the real
@@ -350,8 +354,8 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
                 acc_up = tl.dot(a, u, acc_up, input_precision=INPUT_PRECISION)
         rn64 = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, rn64 < N, pid_n, e, C, C_IDX, stride_cm,
-                  stride_cn, Z, stride_zm, stride_zn, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
-                  EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, SCALES, Q_OUT, BLOCK_M, BN)
+                  stride_cn, Z, stride_zm, stride_zn, H, stride_hm, SCALE, AUX, stride_aux, A_SCALE, B_SCALE, stride_bse, N,
+                  EPILOGUE, SCATTER_C, HAS_SCALE, STORE_Z, STORE_H, SCALES, Q_OUT, BLOCK_M, BN)
 
 
 @autotune(_wgrad_configs(), key=["ROWS_BUCKET", "M", "N", "E"])
@@ -413,16 +417,18 @@ _ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.confi
 
 
 def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
-                  epilogue="none", precision=None, a_scale=None, b_scale=None, mx=False, c_scales=None):
+                  epilogue="none", precision=None, a_scale=None, b_scale=None, mx=False, c_scales=None, h_out=None):
     """c = epilogue(a[rows] @ weight[e]) for the expert groups `offs`; weight is an (E, K, N') view (N' = 2n
     for swiglu) read through its strides. fp8 a and weight take a_scale and b_scale: rowwise, one fp32 per row
     of a (as a_idx indexes it) and (E, N') contiguous along N'; with `mx`, E8M0 codes per 32 elements along K,
     (rows of a, K / 32) and (E, N', K / 32) contiguous along K. c_scales (rows, n / 32) uint8 (swiglu): h is
-    stored as MXFP8, its e4m3 bits in c (float8_e4m3fn or uint8) and its codes in c_scales."""
+    stored as MXFP8, its e4m3 bits in c (float8_e4m3fn or uint8) and its codes in c_scales. h_out (rows, n)
+    (swiglu_bwd): h = silu(gate) * up recomputed from z, stored for the down weight's gradient."""
     scales = "" if a_scale is None else "mx" if mx else "rowwise"
     q_out = c_scales is not None
     rows, e, k = c.shape[0] if c_idx is None else c_idx.shape[0], weight.shape[0], weight.shape[1]
     zz = z if z is not None else c
+    hh = h_out if h_out is not None else c
     # Not a borrowed argument: the autotuner zeroes AUX around its timing runs (reset_to_zero).
     aux = c_scales if q_out else rowdot if rowdot is not None else torch.empty(1, dtype=torch.float32,
                                                                                 device=c.device)
@@ -444,15 +450,17 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
                                  * cdiv(n, max(meta["BLOCK_N"], 32 if q_out else 1))),)
         launch(moe_grouped_tma_kernel, grid,
                ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
-                z is not None and epilogue == "swiglu", precision, b_kmajor, scales, q_out, sms, gather),
+                z is not None and epilogue == "swiglu", h_out is not None, precision, b_kmajor, scales, q_out, sms,
+                gather),
                a, a_idx if gather else offs, a.stride(0), a.stride(1), weight, weight.stride(0), weight.stride(1),
                weight.stride(2),
                c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
-               zz, zz.stride(0), zz.stride(-1), scale if scale is not None else c, aux, aux.stride(0),
+               zz, zz.stride(0), zz.stride(-1), hh, hh.stride(0), scale if scale is not None else c, aux, aux.stride(0),
                a_scale if scales else aux, b_scale if scales else aux, bs_e,
                offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
                EPILOGUE=epilogue, GATHER_A=gather, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-               STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision,
+               STORE_Z=z is not None and epilogue == "swiglu", STORE_H=h_out is not None,
+               INPUT_PRECISION=None if scales else precision,
                SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
         return
     b_tma = _b_tma(weight)
@@ -470,17 +478,19 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
     launch(moe_grouped_gemm_kernel, grid,
            ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", precision, b_tma, scales, q_out, mx_mode),
+            scale is not None, z is not None and epilogue == "swiglu", h_out is not None, precision, b_tma, scales,
+            q_out, mx_mode),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
-           zz, zz.stride(0), zz.stride(-1),
+           zz, zz.stride(0), zz.stride(-1), hh, hh.stride(0),
            scale if scale is not None else c,
            aux, aux.stride(0),
            a_scale if scales else aux, a_scale.stride(0) if scales else 0, b_scale if scales else aux, bs_e, bs_n,
            offs, rows, n, k, e, bucket,
            EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-           STORE_Z=z is not None and epilogue == "swiglu", INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
+           STORE_Z=z is not None and epilogue == "swiglu", STORE_H=h_out is not None,
+           INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
            SCALES=scales, Q_OUT=q_out, MX_MODE=mx_mode, E_P2=max(16, next_pow2(e)))
 
 

@@ -147,23 +147,29 @@ def _cublas_wgrads(x, gate_up_weight, down_weight) -> bool:
 
 def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32: bool = False,
                     needs=(True, True, True, True)):
-    """Gradients (dx, dweights, dgate_up, ddown) of the expert part (None where `needs` says so)."""
+    """Gradients (dx, dweights, dgate_up, ddown) of the expert part (None where `needs` says so). h may be empty
+    (the forward did not keep it): the SwiGLU backward's epilogue then writes it again from z. z may come as a
+    one-element list, emptied here: z is then freed as soon as the SwiGLU backward has read it."""
     t, hidden = x.shape
     k = weights.shape[1]
     rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
+    if isinstance(z, list):
+        z = z.pop()
     if z.numel() != rows * 2 * inter:
         raise RuntimeError("kernelkit.moe: the forward ran without saving for a backward (no input required grad)")
     precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
-    if h.numel() == 0 and rows:  # the MXFP8 forward kept h only quantized: recomputed from z in x's dtype
-        h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     dx = dw = dgu = dd = None
     if rows and (needs[0] or needs[1] or needs[2]):
         dz = empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
         rowdot = torch.zeros((rows, cdiv(inter, _ROWDOT_BLOCK_N)), dtype=torch.float32, device=x.device)
+        h_out = empty((rows, inter), dtype=x.dtype, device=x.device) if h.numel() == 0 and needs[3] else None
         _grouped_gemm(dout, down_weight, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z, rowdot=rowdot,
-                      epilogue="swiglu_bwd", precision=precision)
+                      epilogue="swiglu_bwd", precision=precision, h_out=h_out)
+        if h_out is not None:
+            h = h_out
+        z = None  # (the caller's last reference when it passed a list: freed here, before the weight gradients)
         if needs[1]:
             dw = torch.empty(rows, dtype=torch.float32, device=x.device).index_copy_(0, order, rowdot.sum(1))
             dw = dw.view(t, k).to(weights.dtype)
@@ -179,6 +185,8 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
                 _wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
         del dz, rowdot  # freed before the down weight's gradient is allocated: the two never coexist
+    elif h.numel() == 0 and rows and needs[3]:  # only the down weight's gradient: h from z in x's dtype
+        h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     if needs[3]:
         if rows and _cublas_wgrads(x, gate_up_weight, down_weight):
             # in place: computed in fp32 and rounded once to dout's dtype, as the Triton wgrad rounds, with no fp32 copy
@@ -231,7 +239,8 @@ def _(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf
 def _setup_context(ctx, inputs, output):
     x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _precision = inputs
     _out, h, z, order, offs = output
-    ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs)
+    # h is not kept: the backward's SwiGLU epilogue writes it again from z (rows x intermediate less memory)
+    ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h.new_empty(0), z, order, offs)
     ctx.allow_tf32 = allow_tf32
 
 
@@ -255,16 +264,33 @@ class _MoEExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision):
         out, h, z, order, offs = moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, True,
                                                  precision)
-        ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h, z, order, offs, experts)
+        # Kept: z (gate | up), not h (written again by the backward's SwiGLU epilogue). z is a ctx attribute, not a
+        # saved tensor, so that the backward can free it once read (before the weight gradients are allocated):
+        # the layer's peak memory then stays below a torch layer's. A second backward through the same graph
+        # (retain_graph=True) needs KERNELKIT_MOE_KEEP_SAVED=1.
+        ctx.save_for_backward(x, weights, gate_up_weight, down_weight, order, offs, experts)
+        ctx.z = z
         ctx.allow_tf32 = allow_tf32
         return out
 
     @staticmethod
     @differentiable_backward(_double_backward, "moe")
     def backward(ctx, dout):
-        *saved, _experts = ctx.saved_tensors
-        grads = moe_experts_bwd(dout, *saved, ctx.allow_tf32, ctx.needs_input_grad[:4])
+        x, weights, gate_up_weight, down_weight, order, offs, _experts = ctx.saved_tensors
+        z = ctx.z
+        if z is None:
+            raise RuntimeError("kernelkit.moe: a second backward through the same graph. The first one freed the "
+                               "layer's saved activations (the memory of a torch layer's peak); set "
+                               "KERNELKIT_MOE_KEEP_SAVED=1 to keep them for retain_graph=True.")
+        if not KEEP_SAVED:
+            ctx.z = None
+            z = [z]
+        grads = moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, x.new_empty(0), z, order, offs,
+                                ctx.allow_tf32, ctx.needs_input_grad[:4])
         return (*grads, None, None, None, None)
+
+
+KEEP_SAVED = os.environ.get("KERNELKIT_MOE_KEEP_SAVED", "0") == "1"
 
 
 def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize) -> tuple[int, int]:
