@@ -686,12 +686,14 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
             monkeypatch.setattr(G, "TMA_GATHER", gather)
             M.moe(*leaves, args[4]).float().square().sum().backward()
             M.moe(*args, precision="fp8")
+            M.moe(args[0], args[1], args[2].transpose(1, 2).contiguous().transpose(1, 2), *args[3:])  # N-major
     launches = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_tma_kernel")]
     kinds = {(r["args"]["EPILOGUE"]["value"], r["args"]["B_KMAJOR"]["value"], r["args"]["SCALES"]["value"],
               r["args"]["GATHER_A"]["value"]) for r in launches}
     assert kinds == {("swiglu", True, "", False), ("none", True, "", False), ("swiglu_bwd", False, "", False),
                      ("none", False, "", False), ("swiglu", True, "rowwise", False), ("none", True, "rowwise", False),
-                     ("swiglu", True, "", True), ("swiglu_bwd", False, "", True), ("swiglu", True, "rowwise", True)}, kinds
+                     ("swiglu", True, "", True), ("swiglu_bwd", False, "", True), ("swiglu", True, "rowwise", True),
+                     ("swiglu", False, "", False), ("swiglu", False, "", True)}, kinds
     variants = []
     for r in launches:
         a = r["args"]

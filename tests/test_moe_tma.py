@@ -117,3 +117,18 @@ def test_persistent_and_pointer_kernels_agree(device, monkeypatch):
         got[persistent] = [out] + [t.grad for t in leaves]
     for a, b in zip(got[True], got[False]):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("inter", [12, 16])
+def test_column_major_gate_up_weight(inter, device, kernels):
+    # Each expert's gate-up weight stored (hidden, 2I)-contiguous (a transposed view): the forward's weight boxes are
+    # N-major and the up half's start at column I. 12 bf16 columns are 24 bytes, not a 16-byte boundary (the TMA
+    # engine faults on such a box, an illegal instruction under the H100's memcheck): that GEMM takes the pointer
+    # kernel; 16 columns stay on the persistent kernel.
+    x, router, gu, down, k = _inputs((27, 32, inter, 4, 2), torch.bfloat16, device, seed=inter)
+    gu_t = gu.transpose(1, 2).contiguous().transpose(1, 2)
+    assert gu_t.stride(1) == 1 and torch.equal(gu_t, gu)
+    check(M.moe, M.reference, [x, router, gu_t, down, k], grad_args=(0, 1, 2, 3),
+          tol=SPEC.tolerances.get("bfloat16"), run_twice=False).raise_if_failed()
+    gate_up = [(kind, kmajor) for kind, epi, kmajor, _ in kernels if epi == "swiglu"]
+    assert gate_up == ([("gemm", None)] if inter == 12 else [("gemm_tma", False)]), kernels

@@ -435,7 +435,7 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
     if q_out:
         c = c.view(torch.uint8)
     bucket = next_pow2(rows)
-    b_kmajor = _persistent(a, weight, a_idx, scales, rows)
+    b_kmajor = _persistent(a, weight, a_idx, scales, rows, n if epilogue == "swiglu" else 0)
     if b_kmajor is not None:
         n_out = 2 * n if epilogue == "swiglu" else n
         gather = a_idx is not None and (TMA_GATHER == "loads" or TMA_GATHER == "auto" and n_out < COPY_GATHER_MIN_N)
@@ -541,7 +541,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides)
 
 
-def _persistent(a, weight, a_idx, scales, rows) -> "bool | None":
+def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     """B_KMAJOR for moe_grouped_tma_kernel (True: the (E, K, N') weight view is K-contiguous, nn.Linear's layout;
     False: N'-contiguous), or None where it does not apply: MXFP8 operands, 32-bit or unaligned operands, a GPU
     before Hopper, the CPU without the interpreter."""
@@ -566,8 +566,9 @@ def _persistent(a, weight, a_idx, scales, rows) -> "bool | None":
         return True
     s_e, s_k, s_n = weight.stride()
     e, _, n = weight.shape
-    if a.dtype == torch.float8_e4m3fn or s_n != 1 or not _aligned(weight, s_e, s_k):
-        return None  # (fp8 MMAs take B K-major)
+    # (fp8 MMAs take B K-major; a box's first column must sit on 16 bytes: the up half's boxes start at column n)
+    if a.dtype == torch.float8_e4m3fn or s_n != 1 or not _aligned(weight, s_e, s_k, up_offset):
+        return None
     return False if s_k >= n and (s_e >= k * s_k or e == 1) else None
 
 
