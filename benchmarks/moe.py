@@ -1,7 +1,8 @@
 """kernelkit.moe (grouped-GEMM MoE layer) against torch._grouped_mm, a dense GEMM and a per-expert loop, side by
 side in one process (GPU).
 
-    PYTHONPATH=src python benchmarks/moe.py --out moe.json [--quick] [--shapes mixtral,qwen3]
+    PYTHONPATH=src python benchmarks/moe.py --out moe.json [--quick] [--shapes mixtral,qwen3] [--rows gate_up,layer]
+        [--only kernelkit,torch._grouped_mm,...]
 
 Shapes (tokens, hidden, intermediate, experts, top_k), bf16, inputs from the registry's make_inputs (random
 routing with built-in margins, so the experts' loads are near balanced):
@@ -11,8 +12,11 @@ routing with built-in margins, so the experts' loads are near balanced):
   mixtral-decode, qwen3-decode: the same layers with 64 tokens (a decode batch; rows add weight GB/s)
 Rows per shape:
   gate-up GEMM alone (forward), FLOPs 2·T·k·H·2I:
-    kernelkit          the grouped GEMM, x gathered through the permutation in its loads, SwiGLU epilogue (writes h,
-                       allocated once outside the timing)
+    kernelkit          the grouped GEMM (on Hopper the persistent TMA kernel: x's rows gathered by a copy inside the
+                       call for wide outputs, in its loads otherwise), SwiGLU epilogue (writes h, allocated once
+                       outside the timing)
+    kernelkit_pregathered  the same on x gathered beforehand (the gather not timed, as torch._grouped_mm's row)
+    kernelkit_pointer  the pointer kernel (KERNELKIT_MOE_PERSISTENT=0): x gathered in its loads, weights via TMA
     kernelkit_fp8      the same on e4m3 x and weights quantized per row beforehand, dequantized in the epilogue
     kernelkit_mxfp8_upcast   MXFP8 x and weights (E8M0 per 32 along K) quantized beforehand, dequantized to bf16
                        by their own passes inside the timing (_kept: the weights' bf16 copy made beforehand), the
@@ -31,6 +35,7 @@ Rows per shape:
     kernelkit_fp8      kernelkit.moe(..., precision="fp8"): quantization of x, both weights and h included
     kernelkit_mxfp8    kernelkit.moe(..., precision="mxfp8"): the same for MXFP8 (h quantized in the epilogue)
     kernelkit_triton_wgrads  fwd+bwd only: kernelkit.moe with kernelkit's wgrad kernel instead of torch._grouped_mm's
+    kernelkit_pointer  kernelkit.moe with the pointer grouped GEMM (KERNELKIT_MOE_PERSISTENT=0)
     *_kept             forward only: inside keep_quantized_weights(), the weights' copies made once and reused
     grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
     per-expert loop    kernelkit.ops.moe.reference in bf16 (one torch.where and two F.linear per expert, HF-style)
