@@ -85,32 +85,55 @@ def _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, 
             tl.store(z_ptrs + N * stride_zn, acc_up.to(Z.dtype.element_ty), mask=mask)
         acc = acc * tl.sigmoid(acc) * acc_up
     elif EPILOGUE == "swiglu_bwd":
-        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(z_ptrs + N * stride_zn, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
+        # In two column halves: the whole tile's gate, up, sigmoid and products at once spill registers (128-wide
+        # tiles ran at 40% of the forward GEMM's speed: benchmarks/results/h100/moe/moe_dgrad_ab.json).
+        HALF: tl.constexpr = BN // 2
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        w = tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+        cols = pid_n * BN + tl.arange(0, HALF).to(tl.int64)
+        part = _swiglu_bwd_half(left, w, rows64, cols, m_ok, N, Z, stride_zm, stride_zn, C, stride_cm, stride_cn,
+                                H, stride_hm, STORE_H)
+        part += _swiglu_bwd_half(right, w, rows64, cols + HALF, m_ok, N, Z, stride_zm, stride_zn, C, stride_cm,
+                                 stride_cn, H, stride_hm, STORE_H)
         # d(routing weight) = <dout, down(h)> = <dout @ W_down, h>: this N tile's part, summed on the host.
-        tl.store(AUX + rows64 * stride_aux + pid_n, tl.sum(acc * silu * up, axis=1), mask=m_ok)
-        if STORE_H:  # h again, for the down weight's gradient (the forward did not keep it)
-            tl.store(H + rows64[:, None] * stride_hm + rn64[None, :], (silu * up).to(H.dtype.element_ty), mask=mask)
-        dh = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
-        tl.store(C + rows64[:, None] * stride_cm + c_cols + N * stride_cn, (dh * silu).to(C.dtype.element_ty),
-                 mask=mask)
-        acc = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    if HAS_SCALE and EPILOGUE != "swiglu_bwd":
-        acc = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
-    if SCATTER_C:  # each row to its (token, slot) position: one writer per row, so no atomics
-        c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
-    else:
-        c_rows = rows64
-    if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
-        bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
-        tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
-        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-        tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
-                 mask=m_ok[:, None] & (kb < N // 32)[None, :])
-    else:
-        tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
+        tl.store(AUX + rows64 * stride_aux + pid_n, part, mask=m_ok)
+    if EPILOGUE != "swiglu_bwd":  # (its stores are in _swiglu_bwd_half)
+        if HAS_SCALE:
+            acc = acc * tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
+        if SCATTER_C:  # each row to its (token, slot) position: one writer per row, so no atomics
+            c_rows = tl.load(C_IDX + rows, mask=m_ok, other=0).to(tl.int64)
+        else:
+            c_rows = rows64
+        if Q_OUT:  # MXFP8 e4m3 per 32 columns (N % 32 == 0: a block never straddles the N edge)
+            bits, code = mx_encode(acc.reshape(BLOCK_M, BN // 32, 32), 8, 3, 7, 448.0, HW_FP8_CAST)
+            tl.store(C + c_rows[:, None] * stride_cm + c_cols, bits.reshape(BLOCK_M, BN), mask=mask)
+            kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+            tl.store(AUX + c_rows[:, None] * stride_aux + kb[None, :], code.to(tl.uint8),
+                     mask=m_ok[:, None] & (kb < N // 32)[None, :])
+        else:
+            tl.store(C + c_rows[:, None] * stride_cm + c_cols, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_half(g, w, rows64, cols, m_ok, N, Z, stride_zm, stride_zn, C, stride_cm, stride_cn, H, stride_hm,
+                     STORE_H: tl.constexpr):
+    """SwiGLU's backward on columns `cols` of a tile: g = dout @ W_down (unscaled), w the routing weight per row.
+    Stores d(gate) and d(up) into C's two halves (and h with STORE_H); returns the rows' <g, h> over these columns."""
+    n_ok = cols < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    z_ptrs = Z + rows64[:, None] * stride_zm + cols[None, :] * stride_zn
+    gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(z_ptrs + N * stride_zn, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    part = tl.sum(g * silu * up, axis=1)
+    if STORE_H:  # h again, for the down weight's gradient (the forward did not keep it)
+        tl.store(H + rows64[:, None] * stride_hm + cols[None, :], (silu * up).to(H.dtype.element_ty), mask=mask)
+    dh = g * w
+    c_ptrs = C + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs + N * stride_cn, (dh * silu).to(C.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(C.dtype.element_ty), mask=mask)
+    return part
 
 
 @triton.jit
