@@ -8,14 +8,17 @@ contiguous group, with no Python loop over experts and no host sync (the host ne
 - router: logits GEMM, softmax/sigmoid and top-k in torch ops, in fp32, under torch autograd (so the
   gradient of the routing weights reaches x and the router through torch);
 - permute: a stable sort of the flattened expert ids and a searchsorted for each expert's first row;
-- gate-up GEMM: A rows gathered from x through the permutation inside the kernel's loads, SwiGLU in the
-  epilogue (gate column j and up column I + j in one tile), h written in x's dtype;
+- gate-up GEMM: A rows gathered from x through the permutation (inside the kernel's loads, or by a copy first
+  for wide outputs on Hopper's persistent TMA kernel: see _moe_gemm), SwiGLU in the epilogue (gate column j
+  and up column I + j in one tile), h written in x's dtype;
 - down GEMM: the routing weight multiplied in the epilogue, each row stored at its (token, slot) position;
   the combine is then a sum over the k slots of each token (deterministic, no atomics anywhere).
 The backward reuses the grouped GEMM for the two dgrads (the weights read through transposed strides); the
 per-expert wgrads are torch._grouped_mm's K-grouped GEMM for bf16 on Hopper and kernelkit's wgrad kernel
-otherwise (each program loops over its expert's rows); the SwiGLU backward and the routing weight's gradient ride
-the down-dgrad's epilogue.
+otherwise (each program loops over its expert's rows); the SwiGLU backward, h (which the forward does not keep)
+and the routing weight's gradient ride the down-dgrad's epilogue. The eager path frees the saved gate/up
+pre-activations as soon as that epilogue has read them (KERNELKIT_MOE_KEEP_SAVED=1 keeps them for a second
+backward).
 """
 
 from __future__ import annotations
