@@ -119,15 +119,15 @@ def want(name):
     return ONLY is None or name in ONLY
 
 
-def flagged(attr, value, fn):
-    """fn run with kernelkit.ops._moe_gemm's `attr` set to `value` (restored after)."""
+def flagged(module, attr, value, fn):
+    """fn run with `module.attr` set to `value` (restored after)."""
     def call():
-        saved = getattr(G, attr)
-        setattr(G, attr, value)
+        saved = getattr(module, attr)
+        setattr(module, attr, value)
         try:
             return fn()
         finally:
-            setattr(G, attr, saved)
+            setattr(module, attr, saved)
     return call
 
 
@@ -176,7 +176,7 @@ def gate_up_rows(label, shape, args, rep, peak):
     # pointer kernel with the gather fused into its loads (KERNELKIT_MOE_PERSISTENT=0)
     measure(row, "kernelkit_pregathered", lambda: M._grouped_gemm(x_perm, gate_up.transpose(1, 2), h, offs, inter,
                                                                   epilogue="swiglu"), flops, rep, peak)
-    measure(row, "kernelkit_pointer", flagged("PERSISTENT", False, lambda: M._grouped_gemm(
+    measure(row, "kernelkit_pointer", flagged(G, "PERSISTENT", False, lambda: M._grouped_gemm(
         x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")), flops, rep, peak)
     measure(row, "torch._grouped_mm", lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]),
             flops, rep, peak)
@@ -186,13 +186,7 @@ def gate_up_rows(label, shape, args, rep, peak):
     if not any(want(n) for n in ("kernelkit_fp8", "kernelkit_mxfp8_upcast", "kernelkit_mxfp8_upcast_kept",
                                  "kernelkit_quantized_h", "kernelkit_mxfp8_dequant", "quantize_rows_h",
                                  "torch._scaled_grouped_mm_fp8")):
-        ratios(row, ("torch._grouped_mm", "dense_mm"))
-        for mine in ("kernelkit_pregathered", "kernelkit_pointer"):
-            if "ms" in row.get(mine, {}):
-                for other in ("kernelkit", "torch._grouped_mm", "dense_mm"):
-                    if "ms" in row.get(other, {}):
-                        row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
-        return row
+        return gate_up_ratios(row)
     xq, xs = M.quantize_rows(x)
     guq, gus = M.quantize_rows(gate_up)
     M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
@@ -274,6 +268,12 @@ def gate_up_rows(label, shape, args, rep, peak):
     xq_perm, xs_perm = xq[rows], xs[rows]
     measure(row, "torch._scaled_grouped_mm_fp8", lambda: torch._scaled_grouped_mm(
         xq_perm, guq.transpose(1, 2), xs_perm, gus, offs=offs[1:], out_dtype=torch.bfloat16), flops, rep, peak)
+    return gate_up_ratios(row)
+
+
+def gate_up_ratios(row):
+    """The gate-up row's ratios between what it measured (each pair where both ran) and the fused quantizations'
+    overheads."""
     ratios(row, ("torch._grouped_mm", "dense_mm"))
     for mine in ("kernelkit_fp8", "kernelkit_mxfp8_dequant", "kernelkit_mxfp8_upcast", "kernelkit_mxfp8_upcast_kept",
                  "kernelkit"):
@@ -285,6 +285,11 @@ def gate_up_rows(label, shape, args, rep, peak):
                 row[f"{mine}_quantize_h_overhead_pct"] = 100 * (row[mine + "_quantized_h"]["ms"] / row[mine]["ms"] - 1)
     if "ms" in row.get("kernelkit_fp8", {}) and "ms" in row.get("quantize_rows_h", {}):
         row["kernelkit_fp8_quantize_h_overhead_pct"] = 100 * row["quantize_rows_h"]["ms"] / row["kernelkit_fp8"]["ms"]
+    for mine in ("kernelkit_pregathered", "kernelkit_pointer"):
+        if "ms" in row.get(mine, {}):
+            for other in ("kernelkit", "torch._grouped_mm", "dense_mm"):
+                if "ms" in row.get(other, {}):
+                    row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
     return row
 
 
@@ -297,7 +302,7 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
     dy = torch.randn_like(x)
     impls = {"kernelkit": kernelkit.moe, "kernelkit_fp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8"),
              "kernelkit_mxfp8": lambda *a, **kw: kernelkit.moe(*a, **kw, precision="mxfp8"),
-             "kernelkit_pointer": lambda *a, **kw: flagged("PERSISTENT", False, lambda: kernelkit.moe(*a, **kw))(),
+             "kernelkit_pointer": lambda *a, **kw: flagged(G, "PERSISTENT", False, lambda: kernelkit.moe(*a, **kw))(),
              "grouped_mm_layer": grouped_mm_layer, "per_expert_loop": M.reference}
     # weights quantized once, reused while unchanged (inference; forward rows only, run inside
     # keep_quantized_weights below)
@@ -330,13 +335,8 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
                 call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
                 measure(row, name, call, flops, rep, peak)
         if mode == "fwd+bwd":
-            def tw(saved=M.CUBLAS_WGRADS):
-                M.CUBLAS_WGRADS = False
-                try:
-                    return torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
-                finally:
-                    M.CUBLAS_WGRADS = saved
-            measure(row, "kernelkit_triton_wgrads", tw, flops, rep, peak)
+            measure(row, "kernelkit_triton_wgrads", flagged(M, "CUBLAS_WGRADS", False, lambda: torch.autograd.grad(
+                kernelkit.moe(*leaves, k, **kw), leaves, dy)), flops, rep, peak)
         if mode == "fwd":
             try:
                 with torch.no_grad():

@@ -57,9 +57,7 @@ def main():
                     G.moe_grouped_tma_kernel.configs = [triton.Config(
                         {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "BLOCK_K": tile[2], "GROUP_M": 8},
                         num_stages=tile[3], num_warps=tile[4])]
-                G.moe_grouped_tma_kernel.cache.clear()
-                for key in [kk for kk in tune._chosen if kk[0] is G.moe_grouped_tma_kernel]:
-                    del tune._chosen[key]
+                tune.forget(G.moe_grouped_tma_kernel)
                 try:
                     run()
                     ms = do_bench(run, rep=a.rep, return_mode="median")

@@ -70,9 +70,7 @@ def main():
                 tag = f"{name}_{configs}"
                 for key, value in knobs.items():
                     setattr(G, key, value)
-                G.moe_grouped_tma_kernel.cache.clear()
-                for key in [kk for kk in tune._chosen if kk[0] is G.moe_grouped_tma_kernel]:
-                    del tune._chosen[key]
+                tune.forget(G.moe_grouped_tma_kernel)
                 pre = name == "tma_pregathered"
                 gemms = {"gate_up": (lambda: M._grouped_gemm(x_perm if pre else x, gate_up.transpose(1, 2), h, offs,
                                                              inter, a_idx=None if pre else tokens, epilogue="swiglu"),

@@ -444,3 +444,22 @@ def test_gpu_first_call_latency_cold_vs_warm(tmp_path):
     assert "error" not in cold and "error" not in warm, (cold, warm)
     assert cold["tuned"] >= 1 and warm["tuned"] == 0 and warm["from_cache"] >= 1
     assert warm["first_s"] < cold["first_s"]
+
+
+def test_forget_drops_the_choices_of_one_kernel():
+    # tune.forget (A/B scripts swapping a kernel's configs): this kernel's autotuner cache and launch entries go,
+    # another kernel's stay.
+    class Kernel:
+        def __init__(self):
+            self.cache = {("key",): "config"}
+
+    mine, other = Kernel(), Kernel()
+    saved = dict(tune._chosen)
+    try:
+        tune._chosen[(mine, ("a",))] = tune._chosen[(mine, ("b",))] = tune._chosen[(other, ("a",))] = object()
+        tune.forget(mine)
+        assert mine.cache == {} and other.cache
+        assert not any(k[0] is mine for k in tune._chosen) and (other, ("a",)) in tune._chosen
+    finally:
+        tune._chosen.clear()
+        tune._chosen.update(saved)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
+from ..tune import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
 from ._fp8 import HW_FP8_CAST, mx_dequant
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mxfp8 import e8m0_to_fp32, mx_encode
@@ -40,19 +40,25 @@ def _wgrad_configs() -> list:
 
 
 @triton.jit
-def _expert_of_tile(OFFS, tile, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, expert's end row) of row tile `tile`; expert >= E past the last real tile.
+def _tile_map(OFFS, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row tiles of every expert from the E + 1 row offsets: (es, start, end, n_tiles, tiles_end) as E_P2
+    vectors (tiles_end: the prefix sum of n_tiles).
 
-    The tile map is computed here, per program, from the E + 1 row offsets rather than on the host: its tile
-    counts depend on BLOCK_M, which is autotuned, and E <= 256 offsets are one vector load, a prefix sum and a
-    compare (a branch-free search: the expert is the number of experts whose tiles end at or before `tile`;
-    an empty expert owns no tile and is skipped)."""
+    Computed in the kernel rather than on the host: the tile counts depend on BLOCK_M, which is autotuned, and
+    E <= 256 offsets are one vector load and a prefix sum."""
     es = tl.arange(0, E_P2)
     real = es < E
     start = tl.load(OFFS + es, mask=real, other=0)
     end = tl.load(OFFS + es + 1, mask=real, other=0)
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(n_tiles, 0)
+    return es, start, end, n_tiles, tl.cumsum(n_tiles, 0)
+
+
+@triton.jit
+def _tile_expert(tile, es, start, end, n_tiles, tiles_end, BLOCK_M: tl.constexpr):
+    """(expert, first row, expert's end row) of row tile `tile` in _tile_map's map; expert >= E past the last
+    real tile. A branch-free search: the expert is the number of experts whose tiles end at or before `tile`
+    (an empty expert owns no tile and is skipped)."""
     e = tl.sum((tiles_end <= tile).to(tl.int32), 0)
     mine = es == e
     first_tile = tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)
@@ -194,7 +200,8 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     grid_n = tl.cdiv(N, BN)
     # Grouped order: the weight tiles of an expert with several row tiles are read from L2, not once per row tile.
     pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
-    e, row0, row_end = _expert_of_tile(OFFS, pid_m, E, E_P2, BLOCK_M)
+    es, start, end, n_tiles, tiles_end = _tile_map(OFFS, E, E_P2, BLOCK_M)
+    e, row0, row_end = _tile_expert(pid_m, es, start, end, n_tiles, tiles_end, BLOCK_M)
     if e >= E:
         return
 
@@ -326,22 +333,13 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[E, K, NT], strides=[stride_be, stride_bk, 1],
                                            block_shape=[1, BK, BN])
-    # The tile map once per program (as _expert_of_tile's): the real row tiles of every expert, from the offsets.
-    es = tl.arange(0, E_P2)
-    real = es < E
-    start = tl.load(OFFS + es, mask=real, other=0)
-    end = tl.load(OFFS + es + 1, mask=real, other=0)
-    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(n_tiles, 0)
+    es, start, end, n_tiles, tiles_end = _tile_map(OFFS, E, E_P2, BLOCK_M)  # once per program
     grid_m = tl.sum(n_tiles, 0)
     grid_n = tl.cdiv(N, BN)
     k_steps = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
-        e = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
-        mine = es == e
-        row0 = tl.sum(tl.where(mine, start, 0), 0) + (pid_m - tl.sum(tl.where(mine, tiles_end - n_tiles, 0), 0)) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, end, 0), 0)
+        e, row0, row_end = _tile_expert(pid_m, es, start, end, n_tiles, tiles_end, BLOCK_M)
         rows = row0 + tl.arange(0, BLOCK_M)
         m_ok = rows < row_end
         rows64 = rows.to(tl.int64)
@@ -531,20 +529,20 @@ if MX_MODE not in MX_MODES:
 B_TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
 
 
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    """A 16-byte aligned base and strides (in elements of t): what a tensor descriptor takes."""
+    return t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides)
+
+
 def _b_tma(weight: torch.Tensor) -> bool:
     """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
     if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
         return False
-    if weight.is_cuda:
-        if torch.cuda.get_device_capability(weight.device)[0] < 9:
-            return False
-    elif not interpreting():
+    if not tma_device(weight):
         return False
-    esize = weight.element_size()
     e, k, n = weight.shape
     s_e, s_n = weight.stride(0), weight.stride(2)
-    return (weight.data_ptr() % 16 == 0 and s_n >= k and (s_e >= n * s_n or e == 1)
-            and (s_e * esize) % 16 == 0 and (s_n * esize) % 16 == 0)
+    return s_n >= k and (s_e >= n * s_n or e == 1) and _aligned(weight, s_e, s_n)
 
 
 # The persistent TMA kernel for bf16 / fp16 / rowwise-fp8 grouped GEMMs on Hopper (x's rows gathered by a copy
@@ -560,10 +558,6 @@ if TMA_GATHER not in ("auto", "copy", "loads"):
 COPY_GATHER_MIN_N = 8192  # "auto": output columns (gate and up together) from which the rows are copied
 
 
-def _aligned(t: torch.Tensor, *strides: int) -> bool:
-    return t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides)
-
-
 def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     """B_KMAJOR for moe_grouped_tma_kernel (True: the (E, K, N') weight view is K-contiguous, nn.Linear's layout;
     False: N'-contiguous), or None where it does not apply: MXFP8 operands, 32-bit or unaligned operands, a GPU
@@ -574,10 +568,7 @@ def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
         return None
     if a_idx is None and a.stride(1) != 1 and a.shape[1] > 1:  # (a gathered copy is contiguous)
         return None
-    if weight.is_cuda:
-        if torch.cuda.get_device_capability(weight.device)[0] < 9:
-            return None
-    elif not interpreting():
+    if not tma_device(weight):
         return None
     k = weight.shape[1]
     if a_idx is None and a.shape[0] != rows:

@@ -26,7 +26,7 @@ from torch._C import _functorch
 
 from ..roofline.model import Cost, dtype_key
 from ..testing.poison import empty
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
+from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms, tma_device
 from . import _validate
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
@@ -319,12 +319,7 @@ TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
 
 def _tma_layout(x2, weight, out2, n, activation):
     """(B_KMAJOR, the weight's non-unit stride) when linear_tma_kernel can take these operands, else None."""
-    if not TMA or x2.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if x2.is_cuda:
-        if torch.cuda.get_device_capability(x2.device)[0] < 9:
-            return None
-    elif not interpreting():
+    if not TMA or x2.dtype not in (torch.bfloat16, torch.float16) or not tma_device(x2):
         return None
     esize = x2.element_size()
 

@@ -344,6 +344,22 @@ def ensure_tma_allocator() -> None:
         triton.set_allocator(_tma_scratch)
 
 
+def tma_device(t: torch.Tensor) -> bool:
+    """Whether tensor descriptors can read `t` where it lives: a Hopper-or-newer GPU, or the CPU under the
+    interpreter (which emulates them)."""
+    if t.is_cuda:
+        return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return interpreting()
+
+
+def forget(kernel) -> None:
+    """Drop what this process chose for an autotuned `kernel` (its autotuner's cache and `launch`'s entries), so
+    that the next launch tunes again over its current `configs` (A/B scripts that swap a kernel's config list)."""
+    kernel.cache.clear()
+    for key in [k for k in _chosen if k[0] is kernel]:
+        del _chosen[key]
+
+
 def num_sms(device) -> int:
     """Streaming multiprocessors of `device` (a small stand-in on the CPU interpreter)."""
     if device.type == "cuda":
