@@ -35,6 +35,8 @@ Rows per shape:
     kernelkit_fp8      kernelkit.moe(..., precision="fp8"): quantization of x, both weights and h included
     kernelkit_mxfp8    kernelkit.moe(..., precision="mxfp8"): the same for MXFP8 (h quantized in the epilogue)
     kernelkit_triton_wgrads  fwd+bwd only: kernelkit.moe with kernelkit's wgrad kernel instead of torch._grouped_mm's
+    kernelkit_fp8_bwd  fwd+bwd only: precision="fp8", backward_precision="fp8" (fp8 forward GEMMs and fp8 dgrads,
+                       every quantization included); _kept: inside keep_quantized_weights() (frozen experts)
     kernelkit_pointer  kernelkit.moe with the pointer grouped GEMM (KERNELKIT_MOE_PERSISTENT=0)
     *_kept             forward only: inside keep_quantized_weights(), the weights' copies made once and reused
     grouped_mm layer   torch router + argsort permute + torch._grouped_mm x2 + SwiGLU + weighted unpermute
@@ -307,6 +309,10 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
     # weights quantized once, reused while unchanged (inference; forward rows only, run inside
     # keep_quantized_weights below)
     fwd_only = {"kernelkit_fp8_kept": impls["kernelkit_fp8"], "kernelkit_mxfp8_kept": impls["kernelkit_mxfp8"]}
+    # fp8 training: both fp8 forward GEMMs and the backward's two fp8 dgrads; _kept: the weights' quantized copies
+    # (forward and transposed) made once and reused (frozen experts)
+    fp8_bwd = lambda *a, **kw: kernelkit.moe(*a, **kw, precision="fp8", backward_precision="fp8")  # noqa: E731
+    bwd_only = {"kernelkit_fp8_bwd": fp8_bwd, "kernelkit_fp8_bwd_kept": fp8_bwd}
     fwd_flops = 2.0 * t * k * 3 * inter * hidden
     start = time.perf_counter()
     torch.autograd.grad(kernelkit.moe(*leaves, k, **kw), leaves, dy)
@@ -319,7 +325,7 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
                "tune_s": tune_s}
         if label.endswith("-decode"):
             row["weight_bytes"] = (gate_up.numel() + down.numel()) * gate_up.element_size() * (1 if mode == "fwd" else 3)
-        for name, fn in (impls | fwd_only if mode == "fwd" else impls).items():
+        for name, fn in (impls | fwd_only if mode == "fwd" else impls | bwd_only).items():
             if not want(name):
                 continue
             if mode == "fwd":
@@ -333,6 +339,11 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
                     measure(row, name, call, flops, rep, peak)
             else:
                 call = (lambda f: lambda: torch.autograd.grad(f(*leaves, k, **kw), leaves, dy))(fn)
+                if name.endswith("_kept"):
+                    with M.keep_quantized_weights():
+                        call()
+                        measure(row, name, call, flops, rep, peak)
+                    continue
                 measure(row, name, call, flops, rep, peak)
         if mode == "fwd+bwd":
             measure(row, "kernelkit_triton_wgrads", flagged(M, "CUBLAS_WGRADS", False, lambda: torch.autograd.grad(
@@ -347,7 +358,7 @@ def layer_rows(label, shape, scoring, args, rep, peak, modes=("fwd", "fwd+bwd"))
                 row["max_rel_err_vs_grouped_mm_layer"] = f"{type(e).__name__}: {e}"[:200]
         ratios(row, ("grouped_mm_layer", "per_expert_loop"))
         for mine in ("kernelkit_fp8", "kernelkit_mxfp8", "kernelkit_fp8_kept", "kernelkit_mxfp8_kept",
-                     "kernelkit_pointer", "kernelkit_triton_wgrads"):
+                     "kernelkit_pointer", "kernelkit_triton_wgrads", "kernelkit_fp8_bwd", "kernelkit_fp8_bwd_kept"):
             for other in ("kernelkit", "grouped_mm_layer", "per_expert_loop"):
                 if "ms" in row.get(mine, {}) and "ms" in row.get(other, {}):
                     row[f"{mine}_x_{other}"] = row[other]["ms"] / row[mine]["ms"]
@@ -359,7 +370,8 @@ def describe(row):
     for name in ("kernelkit", "kernelkit_pregathered", "kernelkit_pointer", "kernelkit_triton_wgrads", "kernelkit_fp8",
                  "kernelkit_mxfp8_dequant", "kernelkit_mxfp8_dequant_quantized_h", "kernelkit_mxfp8_upcast",
                  "kernelkit_mxfp8_upcast_kept", "kernelkit_quantized_h", "quantize_rows_h",
-                 "kernelkit_fp8_kept", "kernelkit_mxfp8_kept", "torch._grouped_mm", "torch._scaled_grouped_mm_fp8",
+                 "kernelkit_fp8_kept", "kernelkit_mxfp8_kept", "kernelkit_fp8_bwd", "kernelkit_fp8_bwd_kept",
+                 "torch._grouped_mm", "torch._scaled_grouped_mm_fp8",
                  "dense_mm", "grouped_mm_layer", "per_expert_loop"):
         if name in row:
             r = row[name]

@@ -1,5 +1,6 @@
 """Where the MoE layer's forward+backward spends its GPU time: torch.profiler over a few steps of kernelkit.moe and
-of the torch._grouped_mm layer (benchmarks/moe.py's), CUDA kernels summed by name (GPU).
+of the torch._grouped_mm layer (benchmarks/moe.py's), CUDA kernels summed by name, beside the end-to-end time of a
+step (do_bench median, L2 flushed): where the two differ, the step waits on the host (GPU).
 Usage: python3 scripts/moe_profile.py [--shape mixtral] [--out FILE.json]"""
 
 import argparse
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench
 from torch.profiler import ProfilerActivity, profile
 
 import kernelkit
@@ -47,9 +49,12 @@ def main():
     dy = torch.randn_like(x)
     out = {"env": env_fingerprint(), "shape": a.shape, "dims": list(shape)}
     for name, f in (("kernelkit", kernelkit.moe), ("grouped_mm_layer", grouped_mm_layer)):
-        rows = kernels(lambda: torch.autograd.grad(f(*leaves, k, scoring=scoring), leaves, dy), a.steps)
-        out[name] = {"total_ms_per_step": sum(r["ms_per_step"] for r in rows), "kernels": rows}
-        print(f"== {name}: {out[name]['total_ms_per_step']:.2f} ms of kernels per fwd+bwd step")
+        step = lambda: torch.autograd.grad(f(*leaves, k, scoring=scoring), leaves, dy)  # noqa: E731
+        rows = kernels(step, a.steps)
+        out[name] = {"total_ms_per_step": sum(r["ms_per_step"] for r in rows),
+                     "end_to_end_ms": do_bench(step, rep=200, return_mode="median"), "kernels": rows}
+        print(f"== {name}: {out[name]['total_ms_per_step']:.3f} ms of kernels per fwd+bwd step, "
+              f"{out[name]['end_to_end_ms']:.3f} ms end to end")
         for r in rows[:14]:
             print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls']:<3d} {r['kernel'][:110]}")
     if a.out:

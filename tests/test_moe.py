@@ -13,7 +13,7 @@ import kernelkit
 from kernelkit.ops import moe as M
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import mxfp8 as MX
-from kernelkit.ops.moe_fp8 import reference_fp8, reference_mxfp8
+from kernelkit.ops.moe_fp8 import experts_grads_reference_fp8, reference_fp8, reference_mxfp8
 from kernelkit.ops import registry
 from kernelkit.testing import check, check_spec, poisoned_outputs
 
@@ -258,7 +258,7 @@ def test_custom_op_path(device):
     assert out.device.type == "meta" and out.shape == (9, 16)
     leaves = [t.clone().requires_grad_() for t in (x, r, gu, d)]
     weights, experts = M.route(leaves[0], leaves[1], k)
-    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True, "bf16")[0]
+    y = M._moe_experts_op(leaves[0], weights, leaves[2], leaves[3], experts, False, True, "bf16", "bf16")[0]
     y.backward(torch.ones_like(y))
     refs = [t.double().requires_grad_() for t in (x, r, gu, d)]
     M.reference(*refs, k).backward(torch.ones(9, 16, dtype=torch.float64, device=device))
@@ -267,15 +267,15 @@ def test_custom_op_path(device):
     # MXFP8: the fake returns no h (the forward keeps it quantized) and the backward recomputes it from z.
     x, r, gu, d, k = _inputs((9, 32, 32, 3, 2), torch.float32, device, seed=13)
     meta = M._moe_experts_op(x.to("meta"), torch.rand(9, 2, device="meta"), gu.to("meta"), d.to("meta"),
-                             torch.zeros(9, 2, dtype=torch.long, device="meta"), False, True, "mxfp8")
-    real = M._moe_experts_op(x, *M.route(x, r, k)[:1], gu, d, M.route(x, r, k)[1], False, True, "mxfp8")
+                             torch.zeros(9, 2, dtype=torch.long, device="meta"), False, True, "mxfp8", "bf16")
+    real = M._moe_experts_op(x, *M.route(x, r, k)[:1], gu, d, M.route(x, r, k)[1], False, True, "mxfp8", "bf16")
     assert [t.shape for t in meta] == [t.shape for t in real]
     leaves = [t.clone().requires_grad_() for t in (x, gu, d)]
     weights, experts = M.route(leaves[0], r, k)
-    M._moe_experts_op(leaves[0], weights, leaves[1], leaves[2], experts, False, True, "mxfp8")[0].sum().backward()
+    M._moe_experts_op(leaves[0], weights, leaves[1], leaves[2], experts, False, True, "mxfp8", "fp8")[0].sum().backward()
     eager = [t.clone().requires_grad_() for t in (x, gu, d)]
-    M.moe(eager[0], r, eager[1], eager[2], k, precision="mxfp8").sum().backward()
-    for got, want in zip(leaves, eager):
+    M.moe(eager[0], r, eager[1], eager[2], k, precision="mxfp8", backward_precision="fp8").sum().backward()
+    for got, want in zip(leaves, eager):  # (the fp8 backward through the custom op as eagerly)
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
@@ -396,6 +396,62 @@ def test_fp8_gradients_flow_through_the_saved_activations(device):
     _grads_track_the_unquantized_layer(leaves, args)
 
 
+@pytest.mark.parametrize("routing", ["balanced", "one expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 48, 40, 4, 2), (29, 32, 24, 5, 1)])
+def test_fp8_backward_against_float64_of_the_quantized_backward(shape, dtype, routing, device):
+    # backward_precision="fp8": both dgrads on fp8 operands (dout per token, d(gate, up) per row, the weights per
+    # input channel through the transposed quantization). Every gradient against the float64 backward on the same
+    # quantized operands, at odd token counts, top-1 and top-2, and with every pair on one expert (the others
+    # empty: their weight gradients must come back as zeros).
+    x, router, gu, down, k = _inputs(shape, dtype, device, seed=shape[0] + 5)
+    weights, experts = M.route(x, router, k)
+    if routing == "one expert":
+        experts = torch.full_like(experts, shape[3] - 2)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gu, down)]
+    out = M.moe_experts(*leaves, experts, backward_precision="fp8")
+    dout = torch.randn(out.shape, device=device).to(dtype)
+    out.backward(dout)
+    want = experts_grads_reference_fp8(dout, x, weights, gu, down, experts)
+    # bf16: d(gate, up) is rounded to bf16 before its quantization, so fp32-vs-float64 sums move some elements to
+    # the neighbouring e4m3 value (as in the forward's test); fp32 on the GPU: the fp8 MMAs' fast accumulation.
+    tol = 3e-2 if dtype == torch.bfloat16 else 5e-3 if device == "cuda" else 1e-4
+    for name, leaf, w in zip(("x", "weights", "gate_up", "down"), leaves, want):
+        assert leaf.grad.dtype == leaf.dtype and torch.isfinite(leaf.grad).all(), name
+        err = ((leaf.grad.double() - w).norm() / w.norm()).item()
+        assert err < tol, (name, err)
+    # ... and within the quantization error of the unquantized layer's gradients
+    exact = [t.detach().double().requires_grad_() for t in (x, weights, gu, down)]
+    M.experts_reference(*exact, experts).backward(dout.double())
+    for name, leaf, w in zip(("x", "weights", "gate_up", "down"), leaves, exact):
+        assert ((leaf.grad.double() - w.grad).norm() / w.grad.norm()).item() < 0.1, name
+
+
+def test_fp8_backward_is_validated_and_runs_the_fp8_dgrads(device, monkeypatch):
+    args = _inputs((21, 32, 24, 4, 2), torch.float32, device, seed=4)
+    with pytest.raises(ValueError, match="backward_precision must be one of 'bf16', 'fp8', got 'fp16'"):
+        M.moe(*args, backward_precision="fp16")
+    with pytest.raises(ValueError, match="backward_precision must be one of"):
+        M.MoE(16, 12, 2, 1, backward_precision="e5m2")
+    # The two dgrads get fp8 operands with rowwise scales; the forward and the wgrads do not.
+    calls = []
+    real = M._grouped_gemm
+    monkeypatch.setattr(M, "_grouped_gemm", lambda a, *r, **kw: calls.append((a.dtype, kw.get("epilogue"),
+                                                                                kw.get("a_scale") is not None))
+                        or real(a, *r, **kw))
+    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    M.moe(*leaves, args[4], backward_precision="fp8").sum().backward()
+    fp8 = torch.float8_e4m3fn
+    assert calls == [(torch.float32, "swiglu", False), (torch.float32, None, False), (fp8, "swiglu_bwd", True),
+                     (fp8, None, True)], calls
+    # nn.MoE passes it on
+    layer = M.MoE(32, 24, 4, 2, device=device, backward_precision="fp8")
+    assert layer.backward_precision == "fp8"
+    calls.clear()
+    layer(args[0].clone().requires_grad_()).sum().backward()
+    assert [c[0] for c in calls] == [torch.float32, torch.float32, fp8, fp8]
+
+
 def _grads_track_the_unquantized_layer(leaves, args):
     """The straight-through gradients in `leaves` (after backward of the squared sum) are within 15% (norm) of the
     float64 unquantized layer's."""
@@ -456,6 +512,44 @@ def test_quantize_rows_kernel_compiles_for_sm90():
                          "stride_q": {"value": 4111, "type": "i32"}, "tiny": {"value": 1e-38, "type": "fp32"},
                          "BLOCK_N": {"value": 4096}},
                 "options": {"num_warps": 8}} for dt in ("bf16", "fp32")]
+    assert not compile_check.compile_in_subprocess(records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 70, 37), (4111, 65), (2, 1, 130), (1, 1)])
+def test_quantize_cols_t_kernel_matches_its_definition(shape, dtype):
+    # The transposed quantization against quantize_rows_reference of the transpose, bit for bit: columns longer
+    # than one 64-row block, column counts off the 64-wide block, a zero column, a NaN, strided inputs (an
+    # expert weight's column-major copy, a sliced view).
+    t = (torch.randn(shape, device="cuda") * 30).to(dtype)
+    t[..., 0] = 0
+    if t.shape[-1] > 2:
+        t[..., t.shape[-2] // 2, 2] = float("nan")
+    for x in (t, t.transpose(-1, -2).contiguous().transpose(-1, -2), t[..., : max(1, shape[-2] - 1), :]):
+        q, s = M.quantize_cols_t(x)
+        qr, sr = M.quantize_cols_t_reference(x)
+        assert q.shape == x.transpose(-1, -2).shape and q.is_contiguous() and s.shape == x.shape[:-2] + x.shape[-1:]
+        torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
+        nan = torch.isnan(qr.float())
+        assert torch.equal(torch.isnan(q.float()), nan)
+        assert torch.equal(q.view(torch.uint8)[~nan], qr.view(torch.uint8)[~nan])
+
+
+def test_quantize_cols_t_reference_and_compile_for_sm90(device):
+    w = torch.randn(3, 40, 24, device=device, dtype=torch.bfloat16)
+    q, s = M.quantize_cols_t_reference(w)
+    assert q.shape == (3, 24, 40) and q.is_contiguous() and s.shape == (3, 24)
+    assert ((q.float() * s[..., None]).transpose(1, 2) - w.float()).abs().max() <= w.float().abs().max() * 2 ** -4
+    # The kernel never runs in the interpreter (its fp8 casts truncate): CI builds it for the H100 instead.
+    from kernelkit.testing import compile_check
+
+    i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
+    records = [{"kernel": "kernelkit.ops._fp8:quantize_cols_t_kernel",
+                "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"}, "R": i32(4096),
+                         "C": i32(14336), "stride_xb": i32(4096 * 14336), "stride_xr": i32(14336), "stride_xc": i32(1),
+                         "tiny": {"value": 1e-38, "type": "fp32"}, "BLOCK_R": {"value": 64}, "BLOCK_C": {"value": 64}},
+                "options": {"num_warps": 4}} for dt in ("bf16", "fp32")]
     assert not compile_check.compile_in_subprocess(records)
 
 
@@ -685,6 +779,7 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
         for gather in ("copy", "loads"):
             monkeypatch.setattr(G, "TMA_GATHER", gather)
             M.moe(*leaves, args[4]).float().square().sum().backward()
+            M.moe(*leaves, args[4], backward_precision="fp8").float().square().sum().backward()
             M.moe(*args, precision="fp8")
             M.moe(args[0], args[1], args[2].transpose(1, 2).contiguous().transpose(1, 2), *args[3:])  # N-major
     launches = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_grouped_tma_kernel")]
@@ -693,7 +788,8 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
     assert kinds == {("swiglu", True, "", False), ("none", True, "", False), ("swiglu_bwd", False, "", False),
                      ("none", False, "", False), ("swiglu", True, "rowwise", False), ("none", True, "rowwise", False),
                      ("swiglu", True, "", True), ("swiglu_bwd", False, "", True), ("swiglu", True, "rowwise", True),
-                     ("swiglu", False, "", False), ("swiglu", False, "", True)}, kinds
+                     ("swiglu", False, "", False), ("swiglu", False, "", True), ("swiglu_bwd", True, "rowwise", False),
+                     ("swiglu_bwd", True, "rowwise", True)}, kinds
     variants = []
     for r in launches:
         a = r["args"]

@@ -51,6 +51,35 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.const
 
 
 
+@triton.jit
+def quantize_cols_t_kernel(X, Q, S, R, C, stride_xb, stride_xr, stride_xc, tiny,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The transposed quantization: X[b] (R, C) -> Q[b] (C, R) contiguous e4m3, one scale per column of X[b] (its
+    amax over R mapped to 448, rounded to X's dtype), as quantize_rows_kernel on X[b]^T. One program per (block of
+    columns, b): an amax pass down the columns, then a pass that scales, transposes (through shared memory: the
+    loads run along C, the stores along R) and stores."""
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    x_cols = X + b * stride_xb + cols.to(tl.int64)[None, :] * stride_xc
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=(rr < R)[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
+    scale = scale.to(X.dtype.element_ty).to(tl.float32)
+    tl.store(S + b * C + cols, scale, mask=c_ok)
+    q_cols = Q + b * C * R + cols.to(tl.int64)[None, :] * R
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr < R)[:, None] & c_ok[None, :]
+        v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
+
+
 def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in torch ops, in fp32 (the definition; the interpreter's fp8 casts truncate, so CPU and
     interpreter calls take this path)."""
@@ -77,6 +106,34 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                         BLOCK_N=block,
                                         num_warps=8 if block >= 2048 else 4)
     return q.view(t.shape), scale.view(t.shape[:-1])
+
+
+def quantize_cols_t_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_cols_t in torch ops: `quantize_rows_reference` of t's last two dims swapped, made contiguous."""
+    q, scale = quantize_rows_reference(t.transpose(-1, -2))
+    return q.contiguous(), scale
+
+
+def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed quantization of t (..., R, C): (q, scale) with q (..., C, R) contiguous float8_e4m3fn and
+    scale (..., C), t[..., r, c] ~= q[..., c, r] * scale[..., c]: each column scaled so its amax maps to 448, as
+    `quantize_rows` would quantize t's transpose, without the transposed copy. The backward's fp8 dgrads read the
+    expert weights this way (their reduction runs along the forward's output channels, and fp8 MMAs take both
+    operands K-contiguous). On a GPU one Triton kernel (two passes over each column block); elsewhere
+    `quantize_cols_t_reference`."""
+    if not t.is_cuda or t.numel() == 0:
+        return quantize_cols_t_reference(t)
+    r, c = t.shape[-2], t.shape[-1]
+    x = t.reshape(-1, r, c)  # (a copy only where no single stride walks the leading dims)
+    b = x.shape[0]
+    q = torch.empty((b, c, r), dtype=torch.float8_e4m3fn, device=t.device)
+    scale = torch.empty((b, c), dtype=torch.float32, device=t.device)
+    # 64 columns: a 128-byte row of the bf16 loads; the 32 x 64 tile's transposed stores write 32-byte rows of R
+    block_c = min(64, next_pow2(c))
+    grid = (triton.cdiv(c, block_c), b)
+    quantize_cols_t_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), torch.finfo(t.dtype).tiny,
+                                 BLOCK_R=64, BLOCK_C=block_c, num_warps=4)
+    return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
 
 
 # The GPU's fp8 converts round to nearest even; the interpreter's truncate, so kernels encode the bits themselves
@@ -125,10 +182,10 @@ def drop_quantized_weights() -> None:
 
 
 def quantized_weight(w: torch.Tensor, fmt: str):
-    """(q, scales) of w for fmt "fp8" (`quantize_rows`) or "mxfp8" (`mxfp8_quantize`), or (its MXFP8 values
-    dequantized to bf16, None) for "mxfp8_bf16"; reused from an earlier call inside `keep_quantized_weights` while
+    """(q, scales) of w for fmt "fp8" (`quantize_rows`), "fp8_t" (`quantize_cols_t`: the transposed copy) or
+    "mxfp8" (`mxfp8_quantize`), or (its MXFP8 values dequantized to bf16, None) for "mxfp8_bf16"; reused from an earlier call inside `keep_quantized_weights` while
     w is unchanged."""
-    quantize = {"fp8": quantize_rows, "mxfp8": mxfp8_quantize,
+    quantize = {"fp8": quantize_rows, "fp8_t": quantize_cols_t, "mxfp8": mxfp8_quantize,
                 "mxfp8_bf16": lambda t: (mxfp8_dequantize(*mxfp8_quantize(t), torch.bfloat16), None)}[fmt]
     if not _KEEP[0] or torch.is_inference(w):  # inference tensors have no version counter to watch
         return quantize(w)

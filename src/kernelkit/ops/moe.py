@@ -35,7 +35,8 @@ from ..tune import cdiv, interpreting, next_pow2
 from . import _moe_gemm, _validate
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
 from ._fp8 import (drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
-                   quantize_rows, quantize_rows_reference, quantized_weight)
+                   quantize_cols_t, quantize_cols_t_reference, quantize_rows, quantize_rows_reference,
+                   quantized_weight)
 from ._gemm import input_precision
 from ._moe_gemm import (MX_MODES, _ROWDOT_BLOCK_N, _b_tma, _grouped_gemm, _wgrad,  # noqa: F401 (re-exported)
                         moe_grouped_gemm_kernel, moe_wgrad_kernel)
@@ -46,6 +47,7 @@ from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
 PRECISIONS = ("bf16", "fp8", "mxfp8")
+BACKWARD_PRECISIONS = ("bf16", "fp8")
 
 
 def _permute(experts: torch.Tensor, n_experts: int):
@@ -64,7 +66,7 @@ def _sum_slots(y: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
 
 
 def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32: bool = False, save: bool = False,
-                    precision: str = "bf16"):
+                    precision: str = "bf16", backward_precision: str = "bf16"):
     """The expert part: x (T, H), weights (T, k) fp32 routing weights, experts (T, k) int64 expert ids.
     Returns (out (T, H), h (T*k, I) or empty, z (T*k, 2I) pre-activations or empty unless `save`, order, offs).
     "fp8": both GEMMs on float8_e4m3fn operands with rowwise scales (tokens and h rows; each expert's output
@@ -149,10 +151,15 @@ def _cublas_wgrads(x, gate_up_weight, down_weight) -> bool:
 
 
 def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32: bool = False,
-                    needs=(True, True, True, True)):
+                    needs=(True, True, True, True), backward_precision: str = "bf16"):
     """Gradients (dx, dweights, dgate_up, ddown) of the expert part (None where `needs` says so). h may be empty
     (the forward did not keep it): the SwiGLU backward's epilogue then writes it again from z. z may come as a
-    one-element list, emptied here: z is then freed as soon as the SwiGLU backward has read it."""
+    one-element list, emptied here: z is then freed as soon as the SwiGLU backward has read it.
+
+    backward_precision "fp8": the two dgrad GEMMs on float8_e4m3fn operands with rowwise scales, dequantized in
+    their epilogues: dout per token and d(gate, up) per row (`quantize_rows`), the expert weights per input
+    channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); the weight
+    gradients stay in x's dtype."""
     t, hidden = x.shape
     k = weights.shape[1]
     rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
@@ -163,13 +170,21 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     precision = input_precision(x.dtype, allow_tf32)
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
+    fp8 = backward_precision == "fp8"
     dx = dw = dgu = dd = None
     if rows and (needs[0] or needs[1] or needs[2]):
         dz = empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
         rowdot = torch.zeros((rows, cdiv(inter, _ROWDOT_BLOCK_N)), dtype=torch.float32, device=x.device)
         h_out = empty((rows, inter), dtype=x.dtype, device=x.device) if h.numel() == 0 and needs[3] else None
-        _grouped_gemm(dout, down_weight, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z, rowdot=rowdot,
-                      epilogue="swiglu_bwd", precision=precision, h_out=h_out)
+        if fp8:  # dout's rows per token (gathered with their scales), W_down^T per intermediate channel
+            doutq, douts = quantize_rows(dout)
+            dq, ds = quantized_weight(down_weight, "fp8_t")  # (E, I, H): as the (E, H, I) operand, K-contiguous
+            _grouped_gemm(doutq, dq.transpose(1, 2), dz, offs, inter, a_idx=tokens, scale=w_rows, z=z,
+                          rowdot=rowdot, epilogue="swiglu_bwd", h_out=h_out, a_scale=douts, b_scale=ds)
+            del doutq, douts, dq, ds
+        else:
+            _grouped_gemm(dout, down_weight, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z, rowdot=rowdot,
+                          epilogue="swiglu_bwd", precision=precision, h_out=h_out)
         if h_out is not None:
             h = h_out
         z = None  # (the caller's last reference when it passed a list: freed here, before the weight gradients)
@@ -178,7 +193,13 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             dw = dw.view(t, k).to(weights.dtype)
         if needs[0]:
             dxr = empty((rows, hidden), dtype=x.dtype, device=x.device)
-            _grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
+            if fp8:  # d(gate, up) per row, W_gate_up^T per hidden channel
+                dzq, dzs = quantize_rows(dz)
+                guq, gus = quantized_weight(gate_up_weight, "fp8_t")  # (E, H, 2I): the (E, 2I, H) operand
+                _grouped_gemm(dzq, guq.transpose(1, 2), dxr, offs, hidden, c_idx=order, a_scale=dzs, b_scale=gus)
+                del dzq, dzs, guq, gus
+            else:
+                _grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
             dx = _sum_slots(dxr, t, k)
             del dxr
         if needs[2]:
@@ -212,13 +233,13 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
 
 @torch.library.custom_op("kernelkit::moe_experts", mutates_args=())
 def _moe_experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                    experts: torch.Tensor, allow_tf32: bool, save: bool, precision: str
+                    experts: torch.Tensor, allow_tf32: bool, save: bool, precision: str, backward_precision: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision)
 
 
 @_moe_experts_op.register_fake
-def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision):
+def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision, backward_precision):
     rows, i2 = experts.numel(), gate_up_weight.shape[1]
     return (x.new_empty(x.shape), x.new_empty((rows, i2 // 2) if precision != "mxfp8" else (0,)), x.new_empty((rows, i2) if save else (0,)),
             experts.new_empty((rows,), dtype=torch.int64),
@@ -228,28 +249,30 @@ def _(x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precis
 @torch.library.custom_op("kernelkit::moe_experts_bwd", mutates_args=())
 def _moe_experts_bwd_op(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor,
                         down_weight: torch.Tensor, h: torch.Tensor, z: torch.Tensor, order: torch.Tensor,
-                        offs: torch.Tensor, allow_tf32: bool
+                        offs: torch.Tensor, allow_tf32: bool, backward_precision: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32)
+    return moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32,
+                           backward_precision=backward_precision)
 
 
 @_moe_experts_bwd_op.register_fake
-def _(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32):
+def _(dout, x, weights, gate_up_weight, down_weight, h, z, order, offs, allow_tf32, backward_precision):
     return x.new_empty(x.shape), weights.new_empty(weights.shape), gate_up_weight.new_empty(gate_up_weight.shape), \
         down_weight.new_empty(down_weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _precision = inputs
+    x, weights, gate_up_weight, down_weight, _experts, allow_tf32, _save, _precision, backward_precision = inputs
     _out, h, z, order, offs = output
     # h is not kept: the backward's SwiGLU epilogue writes it again from z (rows x intermediate less memory)
     ctx.save_for_backward(x, weights, gate_up_weight, down_weight, h.new_empty(0), z, order, offs)
     ctx.allow_tf32 = allow_tf32
+    ctx.backward_precision = backward_precision
 
 
 def _backward(ctx, dout, *_saved_grads):
-    grads = _moe_experts_bwd_op(dout, *ctx.saved_tensors, ctx.allow_tf32)
-    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None, None)
+    grads = _moe_experts_bwd_op(dout, *ctx.saved_tensors, ctx.allow_tf32, ctx.backward_precision)
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None, None, None)
 
 
 _moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
@@ -257,14 +280,15 @@ _moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _double_backward(ctx, dout):
     x, weights, gate_up_weight, down_weight, *_rest, experts = ctx.saved_tensors
-    return reference_vjp(experts_reference, (x, weights, gate_up_weight, down_weight, experts), (dout,), 8)
+    return reference_vjp(experts_reference, (x, weights, gate_up_weight, down_weight, experts), (dout,), 9)
 
 
 class _MoEExpertsFunction(torch.autograd.Function):
     """The eager path: the same launchers as the custom op with less per-call host overhead."""
 
     @staticmethod
-    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision):
+    def forward(ctx, x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision,
+                backward_precision):
         out, h, z, order, offs = moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32, True,
                                                  precision)
         # Kept: z (gate | up), not h (written again by the backward's SwiGLU epilogue). z is a ctx attribute, not a
@@ -274,6 +298,7 @@ class _MoEExpertsFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weights, gate_up_weight, down_weight, order, offs, experts)
         ctx.z = z
         ctx.allow_tf32 = allow_tf32
+        ctx.backward_precision = backward_precision
         return out
 
     @staticmethod
@@ -289,8 +314,8 @@ class _MoEExpertsFunction(torch.autograd.Function):
             ctx.z = None
             z = [z]
         grads = moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, x.new_empty(0), z, order, offs,
-                                ctx.allow_tf32, ctx.needs_input_grad[:4])
-        return (*grads, None, None, None, None)
+                                ctx.allow_tf32, ctx.needs_input_grad[:4], ctx.backward_precision)
+        return (*grads, None, None, None, None, None)
 
 
 KEEP_SAVED = os.environ.get("KERNELKIT_MOE_KEEP_SAVED", "0") == "1"
@@ -346,7 +371,7 @@ def _first(out):
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
         top_k: int, *, scoring: str = "softmax", renormalize: bool = True, precision: str = "bf16",
-        expert_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: Optional[int] = None,
+        backward_precision: str = "bf16", expert_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: Optional[int] = None,
         routed_scaling_factor: float = 1.0) -> torch.Tensor:
     """A mixture-of-experts SwiGLU MLP: ``sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``.
 
@@ -371,30 +396,46 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     by 32) multiplied exactly (Hopper has no block-scaled MMA: the dequantized values are exact in bf16, and bf16
     MMAs with fp32 sums compute their products; by default the operands are dequantized by their own passes, see
     `_moe_gemm.MX_MODE`), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
-    With either fp8 precision the backward GEMMs run in x's dtype on the saved gate/up pre-activations (a
-    straight-through estimator of the quantization). Inside `keep_quantized_weights()` the weights' quantized
-    copies are reused across calls while the weights are unchanged.
+    With either fp8 precision the backward differentiates the layer as if unquantized, on the saved gate/up
+    pre-activations (a straight-through estimator of the quantization).
+
+    backward_precision: "bf16" (the default: the backward GEMMs in x's dtype) or "fp8": the two dgrad GEMMs (of
+    the down and the gate-up projection: the gradients reaching h and x) on float8_e4m3fn operands with rowwise
+    scales, dequantized in their epilogues: dout per token and d(gate, up) per row, the expert weights per input
+    channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`). The weight
+    gradients stay in x's dtype. Independent of `precision`. It pays where each expert has many rows: the
+    weights' transposed copies are made once per backward (outside `keep_quantized_weights`) and cost about as
+    much as reading the weights three times (benchmarks/results/h100/moe/ has the figures).
+
+    Inside `keep_quantized_weights()` the weights' quantized copies (forward and transposed) are reused across
+    calls while the weights are unchanged.
     """
     n_exp, _inter = _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize)
     _check_routing(n_exp, top_k, expert_bias, n_group, topk_group, routed_scaling_factor, x)
-    _check_precision(precision)  # before routing; moe_experts checks the device
+    _check_precision(precision, backward_precision=backward_precision)  # before routing; moe_experts: the device
     hidden = x.shape[-1]
     x2 = _rows(x, hidden)
     weights, experts = route(x2, router_weight, top_k, scoring, renormalize, expert_bias=expert_bias,
                              n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
-    return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision).view(x.shape)
+    return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision,
+                       backward_precision=backward_precision).view(x.shape)
 
 
-def _check_precision(precision, x: Optional[torch.Tensor] = None, gate_up_weight: Optional[torch.Tensor] = None
-                     ) -> None:
-    """precision is one of PRECISIONS; with the tensors: fp8 tensor cores for "fp8", and for "mxfp8" (fp8 tensor
-    cores or the interpreter) hidden and intermediate sizes in whole 32-element MX blocks."""
+def _check_precision(precision, x: Optional[torch.Tensor] = None, gate_up_weight: Optional[torch.Tensor] = None,
+                     backward_precision: str = "bf16") -> None:
+    """precision is one of PRECISIONS and backward_precision one of BACKWARD_PRECISIONS; with the tensors: fp8
+    tensor cores for "fp8" (either), and for "mxfp8" (fp8 tensor cores or the interpreter) hidden and intermediate
+    sizes in whole 32-element MX blocks."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
-    if precision == "bf16" or x is None:
+    if backward_precision not in BACKWARD_PRECISIONS:
+        raise ValueError(f"backward_precision must be one of {', '.join(map(repr, BACKWARD_PRECISIONS))}, got "
+                         f"{backward_precision!r}")
+    if x is None or precision == backward_precision == "bf16":
         return
     if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
-        raise TypeError(f"precision={precision!r} needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
+        name, value = ("precision", precision) if precision != "bf16" else ("backward_precision", backward_precision)
+        raise TypeError(f"{name}={value!r} needs fp8 tensor cores (compute capability 8.9+); {x.device} is "
                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     if precision == "mxfp8" and gate_up_weight is not None:
         for name, size in (("hidden (x's last dim)", x.shape[-1]), ("intermediate", gate_up_weight.shape[1] // 2)):
@@ -404,19 +445,20 @@ def _check_precision(precision, x: Optional[torch.Tensor] = None, gate_up_weight
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                experts: torch.Tensor, *, precision: str = "bf16") -> torch.Tensor:
+                experts: torch.Tensor, *, precision: str = "bf16", backward_precision: str = "bf16") -> torch.Tensor:
     """The expert part of `moe` for a routing computed elsewhere (a Hugging Face router, say):
     ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = experts[t, j].
 
     x (T, hidden); weights (T, k), any float dtype (multiplied in fp32); experts (T, k) integer ids in
     [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight (E, hidden, intermediate).
     Differentiable in x, weights, gate_up_weight and down_weight. Not validated here (the caller checked the
-    layouts once): `moe` validates its arguments, then routes and calls this. precision as `moe`'s."""
-    _check_precision(precision, x, gate_up_weight)
+    layouts once): `moe` validates its arguments, then routes and calls this. precision and backward_precision as
+    `moe`'s."""
+    _check_precision(precision, x, gate_up_weight, backward_precision)
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and x.dtype == torch.float32
     save = wants_grad(x, weights, gate_up_weight, down_weight)
     return dispatch(_moe_experts_op, moe_experts_fwd, _MoEExpertsFunction, 4,
-                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision),
+                    (x, weights, gate_up_weight, down_weight, experts, allow_tf32, save, precision, backward_precision),
                     pick=_first)
 
 
@@ -426,17 +468,17 @@ class MoE(torch.nn.Module):
     (experts, 2 * intermediate, hidden), ``experts.down_proj`` (experts, hidden, intermediate); initialized as
     nn.Linear would each expert. DeepSeek-V3 routing: `expert_bias=True` adds the buffer
     ``gate.e_score_correction_bias`` (E,) (zeros; a load balancer updates it), and n_group / topk_group /
-    routed_scaling_factor as `route`'s. Documented fallback: a CPU tensor outside the Triton interpreter runs
+    routed_scaling_factor as `route`'s; precision and backward_precision as `moe`'s. Documented fallback: a CPU tensor outside the Triton interpreter runs
     `reference`."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, scoring: str = "softmax",
                  renormalize: bool = True, device=None, dtype=None, precision: str = "bf16", *,
                  expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, backward_precision: str = "bf16"):
         super().__init__()
-        _check_precision(precision)
+        _check_precision(precision, backward_precision=backward_precision)
         _check_routing(experts, top_k, None, n_group, topk_group, routed_scaling_factor)
-        self.precision = precision
+        self.precision, self.backward_precision = precision, backward_precision
         self.routing = {"n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": routed_scaling_factor}
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}")
@@ -467,7 +509,7 @@ class MoE(torch.nn.Module):
               "expert_bias": getattr(self.gate, "e_score_correction_bias", None)}
         if x.device.type != "cuda" and not interpreting():
             return reference(*args, **kw)
-        return moe(*args, **kw, precision=self.precision)
+        return moe(*args, **kw, precision=self.precision, backward_precision=self.backward_precision)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, experts={self.num_experts}, "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._fp8 import quantize_rows_reference
+from ._fp8 import quantize_cols_t_reference, quantize_rows_reference
 from .moe import BENCH_SHAPES, cost, make_inputs, moe, route
 from .mxfp8 import reference_dequantize, reference_quantize
 from .registry import OpSpec, register
@@ -52,6 +52,45 @@ def _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scori
             h = dequantized_h(F.silu(gate) * up)
             out.index_add_(0, token, (h @ dd[e].T) * weights[token, slot].double()[:, None])
     return out.to(x.dtype).reshape(x.shape)
+
+
+def experts_grads_reference_fp8(dout, x, weights, gate_up_weight, down_weight, experts):
+    """The gradients (dx, dweights, dgate_up, ddown) of `moe_experts(..., backward_precision="fp8")` in float64,
+    one expert at a time, on the quantized operands the kernels read: dout per token and each expert's weights
+    per input channel (`quantize_cols_t_reference`) dequantized for the two dgrads, d(gate, up) rounded to x's
+    dtype and quantized per row before the gate-up dgrad; the routing weight's gradient from the dequantized
+    down-dgrad; the weight gradients from the unquantized dout and d(gate, up) in x's dtype, as the kernels."""
+    def rows_dq(t):
+        q, scale = quantize_rows_reference(t)
+        return q.double() * scale.double().unsqueeze(-1)
+
+    def cols_dq(w):  # (E, R, C) -> its (E, C, R) transposed copy, dequantized
+        q, scale = quantize_cols_t_reference(w)
+        return q.double() * scale.double().unsqueeze(-1)
+
+    xd, doutq = x.double(), rows_dq(dout)
+    gu_t, down_t = cols_dq(gate_up_weight), cols_dq(down_weight)  # (E, H, 2I), (E, I, H)
+    dx, dw = torch.zeros_like(xd), torch.zeros(weights.shape, dtype=torch.float64, device=x.device)
+    dgu = torch.zeros(gate_up_weight.shape, dtype=torch.float64, device=x.device)
+    dd = torch.zeros(down_weight.shape, dtype=torch.float64, device=x.device)
+    inter = gate_up_weight.shape[1] // 2
+    for e in range(gate_up_weight.shape[0]):
+        token, slot = torch.where(experts == e)
+        if token.numel() == 0:
+            continue
+        w = weights[token, slot].double()[:, None]
+        z = xd[token] @ gate_up_weight[e].double().T
+        gate, up = z[:, :inter], z[:, inter:]
+        sig = torch.sigmoid(gate)
+        h = gate * sig * up
+        g = doutq[token] @ down_t[e].T  # d h / w, the down dgrad on fp8 operands
+        dw[token, slot] = (g * h).sum(1)
+        dh = g * w
+        dz = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1).to(x.dtype)
+        dx.index_add_(0, token, rows_dq(dz) @ gu_t[e].T)
+        dgu[e] = dz.double().T @ xd[token]
+        dd[e] = (dout[token].double() * w).to(x.dtype).double().T @ h.to(x.dtype).double()
+    return dx, dw, dgu, dd
 
 
 def _at_precision(precision):

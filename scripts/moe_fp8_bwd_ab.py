@@ -1,0 +1,113 @@
+"""The MoE backward's two dgrad GEMMs in bf16 and in fp8 (backward_precision="fp8"), each part timed alone, side by
+side in one process (GPU): the GEMMs on operands quantized beforehand, the quantization passes they need
+(quantize_rows of dout and of d(gate, up), quantize_cols_t of both expert weights, with their GB/s), and
+torch._scaled_grouped_mm on the same fp8 products. dh: dout[rows] @ W_down[e] with the SwiGLU-backward epilogue;
+dx: d(gate, up) @ W_gate_up[e], scattered to the (token, slot) rows.
+Usage: python3 scripts/moe_fp8_bwd_ab.py [--shapes mixtral,qwen3,deepseek-v3] [--out F.json]"""
+
+import argparse
+import json
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernelkit.ops import _moe_gemm as G
+from kernelkit.ops import moe as M
+from kernelkit.ops import registry
+from kernelkit.testing.bench import env_fingerprint
+
+SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
+          "deepseek-v3": (8192, 7168, 2048, 256, 8)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--shapes", default="mixtral,qwen3,deepseek-v3")
+    ap.add_argument("--rep", type=int, default=60)
+    a = ap.parse_args()
+    rows = []
+    for label in a.shapes.split(","):
+        shape = SHAPES[label]
+        (x, router, gate_up, down, k), _ = registry.get("moe").make_inputs(
+            shape, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(0))
+        t, hidden, inter, n_exp, _ = shape
+        weights, experts = M.route(x, router, k)
+        order, offs = M._permute(experts, n_exp)
+        tokens = order // k
+        w_rows = weights.reshape(-1)[order].float()
+        dout = torch.randn_like(x)
+        z = torch.randn(t * k, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        dz = torch.randn_like(z)
+        dz_out = torch.empty_like(z)
+        dxr = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)
+        rowdot = torch.zeros(t * k, triton.cdiv(inter, G._ROWDOT_BLOCK_N), device="cuda")
+        h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
+        doutq, douts = M.quantize_rows(dout)
+        dzq, dzs = M.quantize_rows(dz)
+        dq, ds = M.quantize_cols_t(down)  # (E, I, H)
+        guq, gus = M.quantize_cols_t(gate_up)  # (E, H, 2I)
+        flops = 2.0 * t * k * hidden * inter
+        doutq_g, douts_g = doutq[tokens], douts[tokens]
+        parts = {
+            "dh bf16": (lambda: G._grouped_gemm(dout, down, dz_out, offs, inter, a_idx=tokens, scale=w_rows, z=z,
+                                                rowdot=rowdot, epilogue="swiglu_bwd", h_out=h), flops, None),
+            "dh fp8": (lambda: G._grouped_gemm(doutq, dq.transpose(1, 2), dz_out, offs, inter, a_idx=tokens,
+                                               scale=w_rows, z=z, rowdot=rowdot, epilogue="swiglu_bwd", h_out=h,
+                                               a_scale=douts, b_scale=ds), flops, None),
+            "dh torch._scaled_grouped_mm": (lambda: torch._scaled_grouped_mm(
+                doutq_g, dq.transpose(1, 2), douts_g, ds, offs=offs[1:], out_dtype=torch.bfloat16),
+                flops, None),
+            "dx bf16": (lambda: G._grouped_gemm(dz, gate_up, dxr, offs, hidden, c_idx=order), 2 * flops, None),
+            "dx fp8": (lambda: G._grouped_gemm(dzq, guq.transpose(1, 2), dxr, offs, hidden, c_idx=order,
+                                               a_scale=dzs, b_scale=gus), 2 * flops, None),
+            "dx torch._scaled_grouped_mm": (lambda: torch._scaled_grouped_mm(
+                dzq, guq.transpose(1, 2), dzs, gus, offs=offs[1:], out_dtype=torch.bfloat16),
+                2 * flops, None),
+            "quantize_rows dout": (lambda: M.quantize_rows(dout), None, dout.numel() * 3),
+            "quantize_rows dz": (lambda: M.quantize_rows(dz), None, dz.numel() * 3),
+            "quantize_cols_t W_down": (lambda: M.quantize_cols_t(down), None, down.numel() * 3),
+            "quantize_cols_t W_gate_up": (lambda: M.quantize_cols_t(gate_up), None, gate_up.numel() * 3),
+            "copy W_gate_up (bf16 clone)": (lambda: gate_up.clone(), None, gate_up.numel() * 4),
+        }
+        row = {"shape": label, "dims": list(shape), "ms": {}, "tflops": {}, "gbps": {}}
+        for name, (run, fl, nbytes) in parts.items():
+            try:
+                run()
+                torch.cuda.synchronize()
+                ms = do_bench(run, rep=a.rep, return_mode="median")
+            except Exception as e:  # noqa: BLE001
+                row["ms"][name] = f"{type(e).__name__}: {e}"[:200]
+                print(f"{label} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            row["ms"][name] = ms
+            extra = ""
+            if fl:
+                row["tflops"][name] = fl / ms / 1e9
+                extra = f"{fl / ms / 1e9:.0f} TF/s"
+            if nbytes:
+                row["gbps"][name] = nbytes / ms / 1e6
+                extra = f"{nbytes / ms / 1e6:.0f} GB/s (ideal bytes)"
+            print(f"{label} {name}: {ms:.3f} ms {extra}", flush=True)
+        m = row["ms"]
+        try:
+            bf16 = m["dh bf16"] + m["dx bf16"]
+            fp8 = m["dh fp8"] + m["dx fp8"] + m["quantize_rows dout"] + m["quantize_rows dz"]
+            weights_q = m["quantize_cols_t W_down"] + m["quantize_cols_t W_gate_up"]
+            row["dgrads_bf16_ms"], row["dgrads_fp8_ms_weights_kept"] = bf16, fp8
+            row["dgrads_fp8_ms_with_weight_quantization"] = fp8 + weights_q
+            print(f"{label}: dgrads bf16 {bf16:.2f} ms, fp8 {fp8:.2f} ms with the weights' copies kept, "
+                  f"{fp8 + weights_q:.2f} ms quantizing them", flush=True)
+        except (KeyError, TypeError):
+            pass
+        rows.append(row)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"env": env_fingerprint(), "rows": rows}, f, indent=1)
+        del x, router, gate_up, down, z, dz, dz_out, dxr, h, dq, guq
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
