@@ -105,7 +105,7 @@ def main():
         if a.out:
             with open(a.out, "w") as f:
                 json.dump({"env": env_fingerprint(), "rows": rows}, f, indent=1)
-        del x, router, gate_up, down, z, dz, dz_out, dxr, h, dq, guq
+        parts.clear()
         torch.cuda.empty_cache()
 
 
