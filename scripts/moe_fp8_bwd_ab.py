@@ -12,6 +12,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from kernelkit.ops import _fp8
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
 from kernelkit.ops import registry
@@ -21,12 +22,23 @@ SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 
           "deepseek-v3": (8192, 7168, 2048, 256, 8)}
 
 
+def _flag_tile(tile, fn):
+    saved = _fp8.COLS_T_TILE
+    _fp8.COLS_T_TILE = tile
+    try:
+        return fn()
+    finally:
+        _fp8.COLS_T_TILE = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--shapes", default="mixtral,qwen3,deepseek-v3")
     ap.add_argument("--rep", type=int, default=60)
+    ap.add_argument("--tiles", default="", help="quantize_cols_t tiles to sweep, e.g. 64x64x4,256x64x8")
     a = ap.parse_args()
+    tiles = [tuple(map(int, s.split("x"))) for s in a.tiles.split(",") if s]
     rows = []
     for label in a.shapes.split(","):
         shape = SHAPES[label]
@@ -71,6 +83,10 @@ def main():
             "quantize_cols_t W_gate_up": (lambda: M.quantize_cols_t(gate_up), None, gate_up.numel() * 3),
             "copy W_gate_up (bf16 clone)": (lambda: gate_up.clone(), None, gate_up.numel() * 4),
         }
+        for tile in tiles:  # the same pass at other (BLOCK_R, BLOCK_C, num_warps)
+            parts[f"quantize_cols_t W_gate_up {tile}"] = (
+                (lambda tile: lambda: _flag_tile(tile, lambda: M.quantize_cols_t(gate_up)))(tile), None,
+                gate_up.numel() * 3)
         row = {"shape": label, "dims": list(shape), "ms": {}, "tflops": {}, "gbps": {}}
         for name, (run, fl, nbytes) in parts.items():
             try:

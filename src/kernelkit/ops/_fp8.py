@@ -108,6 +108,10 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(t.shape), scale.view(t.shape[:-1])
 
 
+# quantize_cols_t_kernel's (BLOCK_R, BLOCK_C, num_warps): 64 columns are a 128-byte row of the bf16 loads
+COLS_T_TILE = (64, 64, 4)
+
+
 def quantize_cols_t_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_cols_t in torch ops: `quantize_rows_reference` of t's last two dims swapped, made contiguous."""
     q, scale = quantize_rows_reference(t.transpose(-1, -2))
@@ -128,11 +132,11 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b = x.shape[0]
     q = torch.empty((b, c, r), dtype=torch.float8_e4m3fn, device=t.device)
     scale = torch.empty((b, c), dtype=torch.float32, device=t.device)
-    # 64 columns: a 128-byte row of the bf16 loads; the 32 x 64 tile's transposed stores write 32-byte rows of R
-    block_c = min(64, next_pow2(c))
+    block_r, block_c, warps = COLS_T_TILE
+    block_c = min(block_c, next_pow2(c))
     grid = (triton.cdiv(c, block_c), b)
     quantize_cols_t_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), torch.finfo(t.dtype).tiny,
-                                 BLOCK_R=64, BLOCK_C=block_c, num_warps=4)
+                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
 
 
