@@ -542,14 +542,16 @@ def test_quantize_cols_t_reference_and_compile_for_sm90(device):
     assert q.shape == (3, 24, 40) and q.is_contiguous() and s.shape == (3, 24)
     assert ((q.float() * s[..., None]).transpose(1, 2) - w.float()).abs().max() <= w.float().abs().max() * 2 ** -4
     # The kernel never runs in the interpreter (its fp8 casts truncate): CI builds it for the H100 instead.
+    from kernelkit.ops import _fp8 as F8
     from kernelkit.testing import compile_check
 
     i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
     records = [{"kernel": "kernelkit.ops._fp8:quantize_cols_t_kernel",
                 "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"}, "R": i32(4096),
                          "C": i32(14336), "stride_xb": i32(4096 * 14336), "stride_xr": i32(14336), "stride_xc": i32(1),
-                         "tiny": {"value": 1e-38, "type": "fp32"}, "BLOCK_R": {"value": 64}, "BLOCK_C": {"value": 64}},
-                "options": {"num_warps": 4}} for dt in ("bf16", "fp32")]
+                         "tiny": {"value": 1e-38, "type": "fp32"}, "BLOCK_R": {"value": F8.COLS_T_TILE[0]},
+                         "BLOCK_C": {"value": F8.COLS_T_TILE[1]}},
+                "options": {"num_warps": F8.COLS_T_TILE[2]}} for dt in ("bf16", "fp32")]
     assert not compile_check.compile_in_subprocess(records)
 
 

@@ -1,10 +1,12 @@
-"""MXFP8 MoE training converges like bf16: a tiny MoE language model (two kernelkit.nn.MoE blocks, 8 experts,
-top-2) trained 300 steps on fixed synthetic data from the same initial weights with precision="bf16" and
-precision="mxfp8"; the loss curves (20-step moving averages) agree within 1% at every step (GPU).
+"""MXFP8 and fp8 MoE training converge like bf16: a tiny MoE language model (two kernelkit.nn.MoE blocks, 8
+experts, top-2) trained 300 steps on fixed synthetic data from the same initial weights with precision="bf16", with
+precision="mxfp8" (backward in bf16), and with precision="fp8" and backward_precision="fp8" (the dgrads on fp8
+operands too); the loss curves (20-step moving averages) agree within 1% at every step (GPU).
 
 The data: each next token is a fixed successor of the current one with probability 0.7, else uniform, so the loss
 falls from ln(256) = 5.5 to a floor of about 2.3 nats instead of to zero (a relative comparison near zero loss
-would measure noise). With KERNELKIT_RESULTS set, the curves are written there as moe_convergence.json.
+would measure noise). With KERNELKIT_RESULTS set, the curves are written there as moe_convergence.json (mxfp8) and
+moe_convergence-fp8-bwd.json.
 """
 
 from __future__ import annotations
@@ -66,25 +68,28 @@ def smooth(xs: list[float], window: int = WINDOW) -> list[float]:
 
 
 @pytest.mark.gpu
-def test_mxfp8_training_tracks_bf16():
+@pytest.mark.parametrize("precision,backward", [("mxfp8", "bf16"), ("fp8", "fp8")])
+def test_quantized_training_tracks_bf16(precision, backward):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores needed")
     torch.manual_seed(0)
     ref = TinyMoELM("bf16")
     mx = copy.deepcopy(ref)
     for m in mx.moes:
-        m.precision = "mxfp8"
+        m.precision, m.backward_precision = precision, backward
     bf16, mxfp8 = curve(ref), curve(mx)
     a, b = smooth(bf16), smooth(mxfp8)
     rel = [abs(x - y) / x for x, y in zip(a, b)]
     if os.environ.get("KERNELKIT_RESULTS"):
-        path = os.path.join(os.environ["KERNELKIT_RESULTS"], "moe_convergence.json")
+        name = "moe_convergence.json" if precision == "mxfp8" else f"moe_convergence-{precision}-bwd.json"
+        path = os.path.join(os.environ["KERNELKIT_RESULTS"], name)
         with open(path, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": STEPS,
                        "tokens_per_step": TOKENS, "model": {"vocab": VOCAB, "hidden": HIDDEN, "intermediate": INTER,
                                                             "experts": EXPERTS, "top_k": TOP_K, "layers": LAYERS},
-                       "lr": LR, "window": WINDOW, "max_rel_diff_smoothed": max(rel),
-                       "final_bf16": a[-1], "final_mxfp8": b[-1], "bf16": bf16, "mxfp8": mxfp8}, f)
+                       "lr": LR, "window": WINDOW, "precision": precision, "backward_precision": backward,
+                       "max_rel_diff_smoothed": max(rel), "final_bf16": a[-1], f"final_{precision}": b[-1],
+                       "bf16": bf16, precision: mxfp8}, f)
     assert a[-1] < 0.6 * a[0], f"the model does not learn: {a[0]:.3f} -> {a[-1]:.3f}"
     worst = max(range(len(rel)), key=rel.__getitem__)
-    assert rel[worst] <= RTOL, f"step {worst}: bf16 {a[worst]:.4f} vs mxfp8 {b[worst]:.4f} ({100 * rel[worst]:.2f}%)"
+    assert rel[worst] <= RTOL, f"step {worst}: bf16 {a[worst]:.4f} vs {precision} {b[worst]:.4f} ({100 * rel[worst]:.2f}%)"
