@@ -13,7 +13,8 @@ contiguous group, with no Python loop over experts and no host sync (the host ne
   and up column I + j in one tile), h written in x's dtype;
 - down GEMM: the routing weight multiplied in the epilogue, each row stored at its (token, slot) position;
   the combine is then a sum over the k slots of each token (deterministic, no atomics anywhere).
-The backward reuses the grouped GEMM for the two dgrads (the weights read through transposed strides); the
+The backward reuses the grouped GEMM for the two dgrads (the weights read through transposed strides, or with
+backward_precision="fp8" their transposed fp8 copies, dout and d(gate, up) quantized per row); the
 per-expert wgrads are torch._grouped_mm's K-grouped GEMM for bf16 on Hopper and kernelkit's wgrad kernel
 otherwise (each program loops over its expert's rows); the SwiGLU backward, h (which the forward does not keep)
 and the routing weight's gradient ride the down-dgrad's epilogue. The eager path frees the saved gate/up
@@ -403,9 +404,10 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     the down and the gate-up projection: the gradients reaching h and x) on float8_e4m3fn operands with rowwise
     scales, dequantized in their epilogues: dout per token and d(gate, up) per row, the expert weights per input
     channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`). The weight
-    gradients stay in x's dtype. Independent of `precision`. It pays where each expert has many rows: the
-    weights' transposed copies are made once per backward (outside `keep_quantized_weights`) and cost about as
-    much as reading the weights three times (benchmarks/results/h100/moe/ has the figures).
+    gradients stay in x's dtype. Independent of `precision`. It pays when the weights' quantized copies are kept
+    (`keep_quantized_weights`: frozen experts, or the micro-batches of a gradient accumulation): made every
+    backward, the transposed copies cost about what the fp8 dgrads save at Mixtral's expert sizes and more at
+    finer-grained experts (README, benchmarks/results/h100/moe/moe-fp8-bwd-layers.json).
 
     Inside `keep_quantized_weights()` the weights' quantized copies (forward and transposed) are reused across
     calls while the weights are unchanged.
