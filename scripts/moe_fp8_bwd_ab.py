@@ -1,8 +1,10 @@
-"""The MoE backward's two dgrad GEMMs in bf16 and in fp8 (backward_precision="fp8"), each part timed alone, side by
-side in one process (GPU): the GEMMs on operands quantized beforehand, the quantization passes they need
-(quantize_rows of dout and of d(gate, up), quantize_cols_t of both expert weights, with their GB/s), and
-torch._scaled_grouped_mm on the same fp8 products. dh: dout[rows] @ W_down[e] with the SwiGLU-backward epilogue;
-dx: d(gate, up) @ W_gate_up[e], scattered to the (token, slot) rows.
+"""The MoE backward's GEMMs in bf16 and in fp8 (backward_precision="fp8"), each part timed alone, side by side in
+one process (GPU): the GEMMs on operands quantized beforehand, the quantization passes they need (quantize_rows of
+dout and of d(gate, up), quantize_cols_t of both expert weights, quantize_segments_t of the wgrads' four operands,
+with their GB/s), and torch._scaled_grouped_mm on the same fp8 dgrad products. dh: dout[rows] @ W_down[e] with the
+SwiGLU-backward epilogue; dx: d(gate, up) @ W_gate_up[e], scattered to the (token, slot) rows; wgrads: d(gate, up)^T
+@ x[rows] and (w * dout[rows])^T @ h per expert, bf16 as the layer runs them (torch._grouped_mm or kernelkit's wgrad
+kernel, see moe._cublas_wgrads) and fp8.
 Usage: python3 scripts/moe_fp8_bwd_ab.py [--shapes mixtral,qwen3,deepseek-v3] [--out F.json]"""
 
 import argparse
@@ -55,7 +57,7 @@ def main():
         dz_out = torch.empty_like(z)
         dxr = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)
         rowdot = torch.zeros(t * k, triton.cdiv(inter, G._ROWDOT_BLOCK_N), device="cuda")
-        h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(t * k, inter, device="cuda", dtype=torch.bfloat16)
         doutq, douts = M.quantize_rows(dout)
         dzq, dzs = M.quantize_rows(dz)
         dq, ds = M.quantize_cols_t(down)  # (E, I, H)
@@ -82,6 +84,33 @@ def main():
             "quantize_cols_t W_down": (lambda: M.quantize_cols_t(down), None, down.numel() * 3),
             "quantize_cols_t W_gate_up": (lambda: M.quantize_cols_t(gate_up), None, gate_up.numel() * 3),
             "copy W_gate_up (bf16 clone)": (lambda: gate_up.clone(), None, gate_up.numel() * 4),
+        }
+        dgu = torch.empty_like(gate_up)
+        dd = torch.empty_like(down)
+        cublas = M._cublas_wgrads(x, gate_up, down)
+        x_g = x[tokens]
+        scaled = dout[tokens] * w_rows[:, None].to(dout.dtype)
+        wgu_ops = G.quantize_segments_t(dz, offs, None, None)
+        wgx_ops = G.quantize_segments_t(x, offs, tokens, None)
+        wdo_ops = G.quantize_segments_t(dout, offs, tokens, w_rows)
+        wdh_ops = G.quantize_segments_t(h, offs, None, None)
+        rows_n = t * k
+        parts |= {
+            "wgrad gate-up bf16": ((lambda: torch._grouped_mm(dz.t(), x_g, offs=offs[1:])) if cublas else
+                                   (lambda: G._wgrad(dz, x, dgu, offs, b_idx=tokens)), 2 * flops, None),
+            "wgrad gate-up fp8 GEMM": (lambda: G._wgrad_fp8_gemm(wgu_ops[0], wgu_ops[1], wgx_ops[0], wgx_ops[1],
+                                                                wgu_ops[2], dgu, rows_n), 2 * flops, None),
+            "wgrad gate-up fp8 (with its quantization)": (lambda: G._wgrad_fp8(dz, x, dgu, offs, b_idx=tokens),
+                                                          2 * flops, None),
+            "wgrad down bf16": ((lambda: torch._grouped_mm(scaled.t(), h, offs=offs[1:])) if cublas else
+                                (lambda: G._wgrad(dout, h, dd, offs, a_idx=tokens, scale=w_rows)), flops, None),
+            "wgrad down fp8 GEMM": (lambda: G._wgrad_fp8_gemm(wdo_ops[0], wdo_ops[1], wdh_ops[0], wdh_ops[1],
+                                                             wdo_ops[2], dd, rows_n), flops, None),
+            "wgrad down fp8 (with its quantization)": (
+                lambda: G._wgrad_fp8(dout, h, dd, offs, a_idx=tokens, scale=w_rows), flops, None),
+            "quantize_segments_t dz": (lambda: G.quantize_segments_t(dz, offs), None, dz.numel() * 3),
+            "quantize_segments_t x gathered": (lambda: G.quantize_segments_t(x, offs, tokens), None,
+                                               rows_n * hidden * 3),
         }
         for tile in tiles:  # the same pass at other (BLOCK_R, BLOCK_C, num_warps)
             parts[f"quantize_cols_t W_gate_up {tile}"] = (
@@ -115,6 +144,10 @@ def main():
             row["dgrads_fp8_ms_with_weight_quantization"] = fp8 + weights_q
             print(f"{label}: dgrads bf16 {bf16:.2f} ms, fp8 {fp8:.2f} ms with the weights' copies kept, "
                   f"{fp8 + weights_q:.2f} ms quantizing them", flush=True)
+            wb = m["wgrad gate-up bf16"] + m["wgrad down bf16"]
+            wf = m["wgrad gate-up fp8 (with its quantization)"] + m["wgrad down fp8 (with its quantization)"]
+            row["wgrads_bf16_ms"], row["wgrads_fp8_ms"] = wb, wf
+            print(f"{label}: wgrads bf16 {wb:.2f} ms, fp8 {wf:.2f} ms (quantization included)", flush=True)
         except (KeyError, TypeError):
             pass
         rows.append(row)

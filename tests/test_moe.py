@@ -555,6 +555,66 @@ def test_quantize_cols_t_reference_and_compile_for_sm90(device):
     assert not compile_check.compile_in_subprocess(records)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gather", [False, True])
+def test_quantize_segments_t_kernel_matches_its_definition(dtype, gather):
+    # The fp8 wgrad's operands: per expert segment, per column, transposed into 128-padded, zero-filled segments.
+    # Bit for bit against the torch definition: empty experts, segments of 1, 127, 128, 129 and 300 rows, a gather
+    # with a row scale, a zero column, a NaN, a column count off the 64-wide block.
+    counts = torch.tensor([3, 0, 127, 128, 1, 0, 129, 300])
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+    rows, c = int(counts.sum()), 75
+    t = (torch.randn(rows + 7, c, device="cuda") * 30).to(dtype)
+    t[:, 4] = 0
+    t[5, 9] = float("nan")
+    idx = torch.randint(0, rows + 7, (rows,), device="cuda") if gather else None
+    scale = torch.rand(rows, device="cuda") if gather else None
+    x = t if gather else t[:rows]
+    q, s, poffs = M.quantize_segments_t(x, offs, idx, scale)
+    qr, sr, pr = M.quantize_segments_t_reference(x, offs, idx, scale)
+    assert torch.equal(poffs, pr) and q.shape == qr.shape and (poffs % 128 == 0).all()
+    torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
+    end = int(poffs[-1])  # past it: the upper bound's slack, never read
+    got, want = q[:, :end].view(torch.uint8), qr[:, :end].view(torch.uint8)
+    nan = torch.isnan(qr[:, :end].float())
+    assert torch.equal(torch.isnan(q[:, :end].float()), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_fp8_wgrad_kernels_compile_for_sm90(monkeypatch):
+    # The fp8 wgrad as the fp8 backward launches it, at Hopper tiles, and the segment quantizer (GPU-only at run
+    # time: the interpreter's fp8 casts truncate) in its gather / row-scale variants, built for sm_90.
+    from kernelkit.testing import compile_check
+    from tests.conftest import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("records launches through the Triton interpreter")
+    records = []
+    args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
+    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    with compile_check.record_launches(records):
+        M.moe(*leaves, args[4], backward_precision="fp8").float().square().sum().backward()
+    launches = [r for r in compile_check.unique(records) if r["kernel"].endswith("moe_wgrad_fp8_kernel")]
+    assert len(launches) >= 1, [r["kernel"] for r in records]
+    variants = [{**r, "args": {**r["args"], "BLOCK_M": {"value": bm}, "BLOCK_N": {"value": bn},
+                               "BLOCK_K": {"value": 128}},
+                 "options": {"num_warps": 8, "num_stages": 3}} for r in launches for bm, bn in ((128, 128), (128, 256))]
+    i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
+    for dt in ("bf16", "fp32"):
+        for gather in (False, True):
+            variants.append({"kernel": "kernelkit.ops._fp8:quantize_segments_t_kernel",
+                             "args": {"X": {"ptr": dt}, "X_IDX": {"ptr": "i64" if gather else "i32"},
+                                      "ROW_SCALE": {"ptr": "fp32"}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
+                                      "OFFS": {"ptr": "i32"}, "POFFS": {"ptr": "i32"}, "C": i32(4096),
+                                      "stride_xr": i32(4096), "stride_xc": i32(1), "stride_q": i32(98304),
+                                      "tiny": {"value": 1e-38, "type": "fp32"}, "GATHER": {"value": gather},
+                                      "HAS_SCALE": {"value": gather}, "BLOCK_R": {"value": 128},
+                                      "BLOCK_C": {"value": 64}},
+                             "options": {"num_warps": 8}})
+    failures = compile_check.compile_in_subprocess(variants)
+    assert not failures, "\n".join(failures)
+
+
 # --- precision="mxfp8": E8M0 scales per 32 elements along K, h quantized in the SwiGLU epilogue ---
 
 @pytest.mark.parametrize("mode", ["upcast", "dequant", "promote"])

@@ -80,6 +80,52 @@ def quantize_cols_t_kernel(X, Q, S, R, C, stride_xb, stride_xr, stride_xc, tiny,
         tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
 
 
+@triton.jit
+def quantize_segments_t_kernel(X, X_IDX, ROW_SCALE, Q, S, OFFS, POFFS, C, stride_xr, stride_xc, stride_q, tiny,
+                               GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+    """Per expert e, its rows [OFFS[e], OFFS[e + 1]) of X (row r read at X_IDX[r] with GATHER, times ROW_SCALE[r]
+    with HAS_SCALE, rounded to X's dtype) quantized per column and written transposed: Q[c, POFFS[e] + i] for the
+    segment's i-th row, zeros up to POFFS[e + 1] (each segment padded to a whole number of K steps of the fp8
+    wgrad), one scale per (e, column) in S (E, C). One program per (block of columns, expert)."""
+    e = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    cols64 = cols.to(tl.int64)
+    start = tl.load(OFFS + e)
+    end = tl.load(OFFS + e + 1)
+    pstart = tl.load(POFFS + e).to(tl.int64)
+    pend = tl.load(POFFS + e + 1).to(tl.int64)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        v = _segment_rows(X, X_IDX, ROW_SCALE, r0 + tl.arange(0, BLOCK_R), end, cols64, c_ok, stride_xr, stride_xc,
+                          GATHER, HAS_SCALE)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
+    scale = scale.to(X.dtype.element_ty).to(tl.float32)
+    tl.store(S + e.to(tl.int64) * C + cols64, scale, mask=c_ok)
+    q_cols = Q + cols64[None, :] * stride_q
+    for p0 in range(pstart, pend, BLOCK_R):
+        pr = p0 + tl.arange(0, BLOCK_R)
+        v = _segment_rows(X, X_IDX, ROW_SCALE, start + (pr - pstart), end, cols64, c_ok, stride_xr, stride_xc,
+                          GATHER, HAS_SCALE)  # rows past the segment: zeros (the padding)
+        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_cols + pr[:, None], q.to(tl.float8e4nv), mask=(pr < pend)[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _segment_rows(X, X_IDX, ROW_SCALE, rr, end, cols64, c_ok, stride_xr, stride_xc, GATHER: tl.constexpr,
+                  HAS_SCALE: tl.constexpr):
+    """Rows rr (< end) of a quantize_segments_t_kernel segment as fp32 (BLOCK_R, BLOCK_C), zeros elsewhere."""
+    r_ok = rr < end
+    src = tl.load(X_IDX + rr, mask=r_ok, other=0).to(tl.int64) if GATHER else rr.to(tl.int64)
+    v = tl.load(X + src[:, None] * stride_xr + cols64[None, :] * stride_xc, mask=r_ok[:, None] & c_ok[None, :],
+                other=0.0)
+    if HAS_SCALE:
+        v = (v.to(tl.float32) * tl.load(ROW_SCALE + rr, mask=r_ok, other=0.0)[:, None]).to(X.dtype.element_ty)
+    return v.to(tl.float32)
+
+
 def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in torch ops, in fp32 (the definition; the interpreter's fp8 casts truncate, so CPU and
     interpreter calls take this path)."""
@@ -141,6 +187,67 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantize_cols_t_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), torch.finfo(t.dtype).tiny,
                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
+
+
+SEGMENT_PAD = 128  # quantize_segments_t pads each expert's segment to this many rows: the fp8 wgrad's K steps
+
+
+def padded_offsets(offs: torch.Tensor, pad: int = SEGMENT_PAD) -> torch.Tensor:
+    """Each expert's first column in quantize_segments_t's padded layout (E + 1 int32, on the device)."""
+    counts = (offs[1:] - offs[:-1]).long()
+    padded = (counts + pad - 1) // pad * pad
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+
+
+def quantize_segments_t_reference(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PAD):
+    """quantize_segments_t in torch ops (one expert at a time; the host reads the offsets): each segment's rows
+    (gathered, scaled and rounded to x's dtype as the kernel does) quantized per column by
+    `quantize_rows_reference` of its transpose."""
+    rows = x if idx is None else x[idx]
+    if row_scale is not None:
+        rows = (rows.float() * row_scale.float()[:, None]).to(x.dtype)
+    bounds = offs.tolist()
+    e, c = len(bounds) - 1, x.shape[1]
+    poffs = padded_offsets(offs, pad)
+    q = torch.zeros((c, _segments_width(rows.shape[0], e, pad)), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
+    for i in range(e):
+        seg = rows[bounds[i]:bounds[i + 1]]
+        if seg.shape[0] == 0:  # an empty expert: the kernel's scale of an all-zero column
+            scale[i] = torch.finfo(x.dtype).tiny
+            continue
+        qi, si = quantize_rows_reference(seg.transpose(0, 1))
+        p0 = int(poffs[i])
+        q[:, p0:p0 + seg.shape[0]] = qi
+        scale[i] = si
+    return q, scale, poffs
+
+
+def _segments_width(rows: int, experts: int, pad: int) -> int:
+    """Columns of quantize_segments_t's output: the padded segments' upper bound, rounded to 16 bytes."""
+    return (rows + experts * (pad - 1) + 15) // 16 * 16
+
+
+def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PAD):
+    """The fp8 wgrad's operand: per expert segment [offs[e], offs[e + 1]) of x's rows (x[idx[r]] for row r with
+    `idx`, times row_scale[r] with `row_scale`, rounded to x's dtype), each column quantized to float8_e4m3fn with
+    its amax over the segment mapped to 448, and written transposed, K-contiguous: (q (C, W), scale (E, C) fp32,
+    poffs (E + 1,) int32), segment e in q[:, poffs[e]:poffs[e] + its rows], zeros up to poffs[e + 1] (a multiple
+    of `pad`). An empty expert has no columns and the smallest normal as its scales. No host sync: W is the
+    padded segments' upper bound. On a GPU one Triton kernel; elsewhere `quantize_segments_t_reference`."""
+    if not x.is_cuda:
+        return quantize_segments_t_reference(x, offs, idx, row_scale, pad)
+    rows = x.shape[0] if idx is None else idx.shape[0]
+    e, c = offs.shape[0] - 1, x.shape[1]
+    poffs = padded_offsets(offs, pad)
+    q = torch.empty((c, _segments_width(rows, e, pad)), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
+    block_c = min(64, next_pow2(c))
+    quantize_segments_t_kernel[(triton.cdiv(c, block_c), e)](
+        x, idx if idx is not None else offs, row_scale if row_scale is not None else scale, q, scale, offs, poffs, c,
+        x.stride(0), x.stride(1), q.stride(0), torch.finfo(x.dtype).tiny,
+        GATHER=idx is not None, HAS_SCALE=row_scale is not None, BLOCK_R=128, BLOCK_C=block_c, num_warps=8)
+    return q, scale, poffs
 
 
 # The GPU's fp8 converts round to nearest even; the interpreter's truncate, so kernels encode the bits themselves

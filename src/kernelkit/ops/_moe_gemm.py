@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..tune import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
-from ._fp8 import HW_FP8_CAST, mx_dequant
+from ._fp8 import HW_FP8_CAST, mx_dequant, quantize_segments_t
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mxfp8 import e8m0_to_fp32, mx_encode
 
@@ -431,6 +431,54 @@ def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row 
              acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _wgrad_fp8_configs() -> list:
+    # The interpreter's first (an fp8 dot takes K >= 32 a step); then Hopper tiles with 128-deep fp8 K steps. Every
+    # BLOCK_K divides the segments' padding (_fp8.SEGMENT_PAD).
+    return tile_configs(((16, 16, 32, 2, 4), (128, 128, 128, 3, 8), (128, 256, 128, 3, 8), (128, 128, 128, 4, 4),
+                         (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 4, 8)))
+
+
+@autotune(_wgrad_fp8_configs(), key=["ROWS_BUCKET", "M", "N", "E"])
+@triton.jit
+def moe_wgrad_fp8_kernel(A, SA, stride_a,  # A^T (M, W) e4m3, K-contiguous; SA (E, M) fp32
+                         B, SB, stride_b,  # B^T (N, W) e4m3, K-contiguous; SB (E, N) fp32
+                         C, stride_ce, stride_cm, stride_cn,  # dW (E, M, N)
+                         POFFS, M, N, E, ROWS_BUCKET,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """dW[e] = (A^T[:, seg e] @ B^T[:, seg e]^T) * SA[e, m] * SB[e, n]: the weight gradient on fp8 operands that
+    quantize_segments_t wrote, each expert's rows a padded, zero-filled segment [POFFS[e], POFFS[e + 1]) of whole
+    K steps (so the loads need no row mask and stay 16-byte vectors). One (M, N) tile of one expert per program;
+    an empty expert's gradient is written as zeros."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (grid_m * grid_n)
+    pid_m, pid_n = grouped_tile(pid % (grid_m * grid_n), grid_m, grid_n, GROUP_M)
+    pstart = tl.multiple_of(tl.load(POFFS + e), 16)
+    steps = (tl.load(POFFS + e + 1) - pstart) // BLOCK_K
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_ok = rm < M
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rm[:, None] * stride_a + pstart + rk[None, :]
+    b_ptrs = B + rn[:, None] * stride_b + pstart + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(steps):
+        a = tl.load(a_ptrs + i * BLOCK_K, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs + i * BLOCK_K, mask=n_ok[:, None], other=0.0)
+        if INTERPRETER_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc)
+    e64 = e.to(tl.int64)
+    sa = tl.load(SA + e64 * M + rm, mask=m_ok, other=0.0)
+    sb = tl.load(SB + e64 * N + rn, mask=n_ok, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    tl.store(C + e64 * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(C.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
 # --- launchers ---
 
 # Columns of the routing-weight gradient's partial sums: one per N tile of the smallest BLOCK_N a config has.
@@ -584,6 +632,25 @@ def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     if a.dtype == torch.float8_e4m3fn or s_n != 1 or not _aligned(weight, s_e, s_k, up_offset):
         return None
     return False if s_k >= n and (s_e >= k * s_k or e == 1) else None
+
+
+def _wgrad_fp8(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None):
+    """c[e] = a[rows of e]^T @ b[rows of e] on fp8 operands: a's and b's rows (gathered by a_idx / b_idx, a's
+    times `scale` per row) quantized per expert and column by quantize_segments_t (the transposed quantization
+    along the tokens), the products dequantized in the epilogue. c (E, M, N) any strides."""
+    aq, sa, poffs = quantize_segments_t(a, offs, a_idx, scale)
+    bq, sb, _ = quantize_segments_t(b, offs, b_idx)
+    _wgrad_fp8_gemm(aq, sa, bq, sb, poffs, c, a.shape[0] if a_idx is None else a_idx.shape[0])
+
+
+def _wgrad_fp8_gemm(aq, sa, bq, sb, poffs, c, rows):
+    """_wgrad_fp8's GEMM on operands quantize_segments_t made (rows: the unpadded row count, for the tuning key)."""
+    e, m, n = c.shape
+    bucket = next_pow2(rows)
+    grid = lambda meta: (e * cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    launch(moe_wgrad_fp8_kernel, grid, ("wgrad_fp8", bucket, m, n, e, c.dtype),
+           aq, sa, aq.stride(0), bq, sb, bq.stride(0), c, c.stride(0), c.stride(1), c.stride(2),
+           poffs, m, n, e, bucket)
 
 
 def _wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):

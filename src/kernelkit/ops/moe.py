@@ -37,9 +37,9 @@ from . import _moe_gemm, _validate
 from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
 from ._fp8 import (drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
                    quantize_cols_t, quantize_cols_t_reference, quantize_rows, quantize_rows_reference,
-                   quantized_weight)
+                   quantize_segments_t, quantize_segments_t_reference, quantized_weight)
 from ._gemm import input_precision
-from ._moe_gemm import (MX_MODES, _ROWDOT_BLOCK_N, _b_tma, _grouped_gemm, _wgrad,  # noqa: F401 (re-exported)
+from ._moe_gemm import (MX_MODES, _ROWDOT_BLOCK_N, _b_tma, _grouped_gemm, _wgrad, _wgrad_fp8,  # noqa: F401
                         moe_grouped_gemm_kernel, moe_wgrad_kernel)
 from ._moe_router import (_check_routing, _select, expert_counts, load_balancing_loss,  # noqa: F401 (re-exported)
                           route)
@@ -159,8 +159,9 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
 
     backward_precision "fp8": the two dgrad GEMMs on float8_e4m3fn operands with rowwise scales, dequantized in
     their epilogues: dout per token and d(gate, up) per row (`quantize_rows`), the expert weights per input
-    channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); the weight
-    gradients stay in x's dtype."""
+    channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); and the two
+    weight gradients on operands quantized per expert and column along the expert's rows (`quantize_segments_t`:
+    d(gate, up) and x's rows, w * dout and h), dequantized in their epilogue (`_wgrad_fp8`)."""
     t, hidden = x.shape
     k = weights.shape[1]
     rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
@@ -204,7 +205,10 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             dx = _sum_slots(dxr, t, k)
             del dxr
         if needs[2]:
-            if _cublas_wgrads(x, gate_up_weight, down_weight):
+            if fp8:
+                dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
+                _wgrad_fp8(dz, x, dgu, offs, b_idx=tokens)
+            elif _cublas_wgrads(x, gate_up_weight, down_weight):
                 dgu = torch._grouped_mm(dz.t(), x[tokens], offs=offs[1:])
             else:
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
@@ -213,7 +217,10 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     elif h.numel() == 0 and rows and needs[3]:  # only the down weight's gradient: h from z in x's dtype
         h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     if needs[3]:
-        if rows and _cublas_wgrads(x, gate_up_weight, down_weight):
+        if rows and fp8:
+            dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
+            _wgrad_fp8(dout, h, dd, offs, a_idx=tokens, scale=w_rows)
+        elif rows and _cublas_wgrads(x, gate_up_weight, down_weight):
             # in place: computed in fp32 and rounded once to dout's dtype, as the Triton wgrad rounds, with no fp32 copy
             scaled = dout[tokens].mul_(w_rows[:, None])
             dd = torch._grouped_mm(scaled.t(), h, offs=offs[1:])
@@ -403,8 +410,9 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     backward_precision: "bf16" (the default: the backward GEMMs in x's dtype) or "fp8": the two dgrad GEMMs (of
     the down and the gate-up projection: the gradients reaching h and x) on float8_e4m3fn operands with rowwise
     scales, dequantized in their epilogues: dout per token and d(gate, up) per row, the expert weights per input
-    channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`). The weight
-    gradients stay in x's dtype. Independent of `precision`. It pays when the weights' quantized copies are kept
+    channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`); and the two
+    weight gradients (reductions over each expert's tokens) on operands quantized per expert and column along
+    those tokens, also transposed (`quantize_segments_t`). Independent of `precision`. It pays when the weights' quantized copies are kept
     (`keep_quantized_weights`: frozen experts, or the micro-batches of a gradient accumulation): made every
     backward, the transposed copies cost about what the fp8 dgrads save at Mixtral's expert sizes and more at
     finer-grained experts (README, benchmarks/results/h100/moe/moe-fp8-bwd-layers.json).

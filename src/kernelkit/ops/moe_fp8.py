@@ -59,10 +59,16 @@ def experts_grads_reference_fp8(dout, x, weights, gate_up_weight, down_weight, e
     one expert at a time, on the quantized operands the kernels read: dout per token and each expert's weights
     per input channel (`quantize_cols_t_reference`) dequantized for the two dgrads, d(gate, up) rounded to x's
     dtype and quantized per row before the gate-up dgrad; the routing weight's gradient from the dequantized
-    down-dgrad; the weight gradients from the unquantized dout and d(gate, up) in x's dtype, as the kernels."""
+    down-dgrad; the weight gradients on operands quantized per expert and column along the expert's rows (the
+    transposed quantization of `quantize_segments_t`): d(gate, up) and x's rows for the gate-up weight, dout times
+    the routing weight (rounded to x's dtype) and h (in x's dtype) for the down weight."""
     def rows_dq(t):
         q, scale = quantize_rows_reference(t)
         return q.double() * scale.double().unsqueeze(-1)
+
+    def segment_dq(t):  # (rows of one expert, C) quantized per column over the rows, dequantized
+        q, scale = quantize_rows_reference(t.transpose(0, 1))
+        return (q.double() * scale.double().unsqueeze(-1)).transpose(0, 1)
 
     def cols_dq(w):  # (E, R, C) -> its (E, C, R) transposed copy, dequantized
         q, scale = quantize_cols_t_reference(w)
@@ -88,8 +94,8 @@ def experts_grads_reference_fp8(dout, x, weights, gate_up_weight, down_weight, e
         dh = g * w
         dz = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1).to(x.dtype)
         dx.index_add_(0, token, rows_dq(dz) @ gu_t[e].T)
-        dgu[e] = dz.double().T @ xd[token]
-        dd[e] = (dout[token].double() * w).to(x.dtype).double().T @ h.to(x.dtype).double()
+        dgu[e] = segment_dq(dz).T @ segment_dq(x[token])
+        dd[e] = segment_dq((dout[token].float() * w.float()).to(x.dtype)).T @ segment_dq(h.to(x.dtype))
     return dx, dw, dgu, dd
 
 
