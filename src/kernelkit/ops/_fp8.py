@@ -107,9 +107,10 @@ def quantize_segments_t_kernel(X, X_IDX, ROW_SCALE, Q, S, OFFS, POFFS, C, stride
     q_cols = Q + cols64[None, :] * stride_q
     for p0 in range(pstart, pend, BLOCK_R):
         pr = p0 + tl.arange(0, BLOCK_R)
-        v = _segment_rows(X, X_IDX, ROW_SCALE, start + (pr - pstart), end, cols64, c_ok, stride_xr, stride_xc,
-                          GATHER, HAS_SCALE)  # rows past the segment: zeros (the padding)
+        rr = start + (pr - pstart)
+        v = _segment_rows(X, X_IDX, ROW_SCALE, rr, end, cols64, c_ok, stride_xr, stride_xc, GATHER, HAS_SCALE)
         q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.where((rr < end)[:, None], q, 0.0)  # the padding: zeros, also in a column whose scale is NaN
         tl.store(q_cols + pr[:, None], q.to(tl.float8e4nv), mask=(pr < pend)[:, None] & c_ok[None, :])
 
 

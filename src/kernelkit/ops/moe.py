@@ -143,6 +143,14 @@ CUBLAS_WGRADS = os.environ.get("KERNELKIT_MOE_WGRAD", "grouped_mm") != "triton"
 CUBLAS_WGRAD_MIN = 1 << 23
 
 
+# backward_precision="fp8" runs the weight gradients in fp8 from this many (token, slot) rows an expert on average
+# (known on the host: rows / experts): measured on the H100 (moe/moe_fp8_bwd_ab.json), the two wgrads with their
+# quantization took 8.4 ms against 9.7 in bf16 at Mixtral (2048 rows an expert), and lost at Qwen3-30B-A3B (512:
+# 3.1 vs 2.0 ms) and DeepSeek-V3 (256: 21.6 vs 14.8): each expert's transposed quantization costs about what the
+# fp8 GEMM saves there, and the fp8 wgrad GEMM's few K steps an expert run below the bf16 one's speed.
+FP8_WGRAD_MIN_ROWS = 1024
+
+
 def _cublas_wgrads(x, gate_up_weight, down_weight) -> bool:
     return (CUBLAS_WGRADS and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and gate_up_weight[0].numel() >= CUBLAS_WGRAD_MIN
@@ -159,9 +167,10 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
 
     backward_precision "fp8": the two dgrad GEMMs on float8_e4m3fn operands with rowwise scales, dequantized in
     their epilogues: dout per token and d(gate, up) per row (`quantize_rows`), the expert weights per input
-    channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); and the two
-    weight gradients on operands quantized per expert and column along the expert's rows (`quantize_segments_t`:
-    d(gate, up) and x's rows, w * dout and h), dequantized in their epilogue (`_wgrad_fp8`)."""
+    channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); and, from
+    FP8_WGRAD_MIN_ROWS rows an expert on average, the two weight gradients on operands quantized per expert and
+    column along the expert's rows (`quantize_segments_t`: d(gate, up) and x's rows, w * dout and h), dequantized
+    in their epilogue (`_wgrad_fp8`); below it they run in x's dtype."""
     t, hidden = x.shape
     k = weights.shape[1]
     rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
@@ -173,6 +182,7 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     tokens = order // k
     w_rows = weights.reshape(-1)[order].float()
     fp8 = backward_precision == "fp8"
+    fp8_wgrads = fp8 and rows >= FP8_WGRAD_MIN_ROWS * gate_up_weight.shape[0]
     dx = dw = dgu = dd = None
     if rows and (needs[0] or needs[1] or needs[2]):
         dz = empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
@@ -205,7 +215,7 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             dx = _sum_slots(dxr, t, k)
             del dxr
         if needs[2]:
-            if fp8:
+            if fp8_wgrads:
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
                 _wgrad_fp8(dz, x, dgu, offs, b_idx=tokens)
             elif _cublas_wgrads(x, gate_up_weight, down_weight):
@@ -217,7 +227,7 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     elif h.numel() == 0 and rows and needs[3]:  # only the down weight's gradient: h from z in x's dtype
         h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     if needs[3]:
-        if rows and fp8:
+        if rows and fp8_wgrads:
             dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
             _wgrad_fp8(dout, h, dd, offs, a_idx=tokens, scale=w_rows)
         elif rows and _cublas_wgrads(x, gate_up_weight, down_weight):
@@ -410,9 +420,11 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     backward_precision: "bf16" (the default: the backward GEMMs in x's dtype) or "fp8": the two dgrad GEMMs (of
     the down and the gate-up projection: the gradients reaching h and x) on float8_e4m3fn operands with rowwise
     scales, dequantized in their epilogues: dout per token and d(gate, up) per row, the expert weights per input
-    channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`); and the two
-    weight gradients (reductions over each expert's tokens) on operands quantized per expert and column along
-    those tokens, also transposed (`quantize_segments_t`). Independent of `precision`. It pays when the weights' quantized copies are kept
+    channel (a transposed quantization, written K-contiguous for the fp8 MMAs: `quantize_cols_t`); and, where the
+    experts get 1024 rows (token, slot pairs) or more on average, the two weight gradients (reductions over each
+    expert's rows) on operands quantized per expert and column along those rows, also transposed
+    (`quantize_segments_t`); with fewer rows an expert they run in x's dtype, where the measurements found them
+    faster. Independent of `precision`. It pays when the weights' quantized copies are kept
     (`keep_quantized_weights`: frozen experts, or the micro-batches of a gradient accumulation): made every
     backward, the transposed copies cost about what the fp8 dgrads save at Mixtral's expert sizes and more at
     finer-grained experts (README, benchmarks/results/h100/moe/moe-fp8-bwd-layers.json).

@@ -54,19 +54,22 @@ def _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scori
     return out.to(x.dtype).reshape(x.shape)
 
 
-def experts_grads_reference_fp8(dout, x, weights, gate_up_weight, down_weight, experts):
+def experts_grads_reference_fp8(dout, x, weights, gate_up_weight, down_weight, experts, fp8_wgrads: bool = True):
     """The gradients (dx, dweights, dgate_up, ddown) of `moe_experts(..., backward_precision="fp8")` in float64,
     one expert at a time, on the quantized operands the kernels read: dout per token and each expert's weights
     per input channel (`quantize_cols_t_reference`) dequantized for the two dgrads, d(gate, up) rounded to x's
     dtype and quantized per row before the gate-up dgrad; the routing weight's gradient from the dequantized
     down-dgrad; the weight gradients on operands quantized per expert and column along the expert's rows (the
     transposed quantization of `quantize_segments_t`): d(gate, up) and x's rows for the gate-up weight, dout times
-    the routing weight (rounded to x's dtype) and h (in x's dtype) for the down weight."""
+    the routing weight (rounded to x's dtype) and h (in x's dtype) for the down weight; unquantized with
+    `fp8_wgrads=False` (the layer's choice below FP8_WGRAD_MIN_ROWS rows an expert)."""
     def rows_dq(t):
         q, scale = quantize_rows_reference(t)
         return q.double() * scale.double().unsqueeze(-1)
 
     def segment_dq(t):  # (rows of one expert, C) quantized per column over the rows, dequantized
+        if not fp8_wgrads:
+            return t.double()
         q, scale = quantize_rows_reference(t.transpose(0, 1))
         return (q.double() * scale.double().unsqueeze(-1)).transpose(0, 1)
 
