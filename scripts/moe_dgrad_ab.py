@@ -11,12 +11,8 @@ from triton.testing import do_bench
 
 from kernelkit import tune
 from kernelkit.ops import _moe_gemm as G
-from kernelkit.ops import moe as M
-from kernelkit.ops import registry
 from kernelkit.testing.bench import env_fingerprint
-
-SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
-          "deepseek-v3": (8192, 7168, 2048, 256, 8)}
+from moe_ab_inputs import SHAPES, backward_buffers, routed
 TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (256, 128, 64, 3, 8),
          (128, 256, 32, 4, 8), (128, 128, 128, 3, 8), (64, 256, 64, 4, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 
@@ -31,19 +27,11 @@ def main():
     rows = []
     for label in a.shapes.split(","):
         shape = SHAPES[label]
-        (x, router, gate_up, down, k), _ = registry.get("moe").make_inputs(
-            shape, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(0))
-        t, hidden, inter, n_exp, _ = shape
-        weights, experts = M.route(x, router, k)
-        order, offs = M._permute(experts, n_exp)
-        tokens = order // k
-        w_rows = weights.reshape(-1)[order].float()
-        dout = torch.randn_like(x)
-        z = torch.randn(t * k, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        dz = torch.empty_like(z)
-        dxr = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)
-        rowdot = torch.zeros(t * k, triton.cdiv(inter, G._ROWDOT_BLOCK_N), device="cuda")
-        h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
+        r = routed(shape)
+        b = backward_buffers(r)
+        gate_up, down, t, k, hidden, inter = r.gate_up, r.down, r.t, r.k, r.hidden, r.inter
+        order, offs, tokens, w_rows = r.order, r.offs, r.tokens, r.w_rows
+        dout, z, dz, dxr, rowdot, h = b.dout, b.z, b.dz, b.dxr, b.rowdot, b.h
         flops = 2.0 * t * k * hidden * inter
         gemms = {"dh": (lambda: G._grouped_gemm(dout, down, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z,
                                                 rowdot=rowdot, epilogue="swiglu_bwd", h_out=h), flops),

@@ -11,17 +11,13 @@ import argparse
 import json
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from kernelkit.ops import _fp8
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
-from kernelkit.ops import registry
 from kernelkit.testing.bench import env_fingerprint
-
-SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
-          "deepseek-v3": (8192, 7168, 2048, 256, 8)}
+from moe_ab_inputs import SHAPES, backward_buffers, routed
 
 
 def _flag_tile(tile, fn):
@@ -44,20 +40,12 @@ def main():
     rows = []
     for label in a.shapes.split(","):
         shape = SHAPES[label]
-        (x, router, gate_up, down, k), _ = registry.get("moe").make_inputs(
-            shape, torch.bfloat16, "cuda", torch.Generator(device="cuda").manual_seed(0))
-        t, hidden, inter, n_exp, _ = shape
-        weights, experts = M.route(x, router, k)
-        order, offs = M._permute(experts, n_exp)
-        tokens = order // k
-        w_rows = weights.reshape(-1)[order].float()
-        dout = torch.randn_like(x)
-        z = torch.randn(t * k, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        dz = torch.randn_like(z)
-        dz_out = torch.empty_like(z)
-        dxr = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)
-        rowdot = torch.zeros(t * k, triton.cdiv(inter, G._ROWDOT_BLOCK_N), device="cuda")
-        h = torch.randn(t * k, inter, device="cuda", dtype=torch.bfloat16)
+        r = routed(shape)
+        b = backward_buffers(r)
+        x, gate_up, down, t, k, hidden, inter = r.x, r.gate_up, r.down, r.t, r.k, r.hidden, r.inter
+        order, offs, tokens, w_rows = r.order, r.offs, r.tokens, r.w_rows
+        dout, z, dz_out, dxr, rowdot, h = b.dout, b.z, b.dz, b.dxr, b.rowdot, b.h.normal_()
+        dz = torch.randn_like(z)  # (an input here: the gate-up dgrad's and wgrad's)
         doutq, douts = M.quantize_rows(dout)
         dzq, dzs = M.quantize_rows(dz)
         dq, ds = M.quantize_cols_t(down)  # (E, I, H)

@@ -15,11 +15,8 @@ from triton.testing import do_bench
 from kernelkit import tune
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
-from kernelkit.ops import registry
 from kernelkit.testing.bench import env_fingerprint
-
-SHAPES = {"mixtral": (8192, 4096, 14336, 8, 2), "qwen3": (8192, 2048, 768, 128, 8),
-          "deepseek-v3": (8192, 7168, 2048, 256, 8)}
+from moe_ab_inputs import SHAPES, routed
 KNOBS = ("PERSISTENT", "TMA_GATHER")
 
 
@@ -45,17 +42,12 @@ def main():
     fixed = [c for c in all_configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
              in ((128, 128, 64, 8), (128, 256, 64, 8))]
     rows = []
-    spec = registry.get("moe")
     saved = {k: getattr(G, k) for k in KNOBS}
     for label in args.shapes.split(","):
         shape = SHAPES[label]
-        (x, router, gate_up, down, k), _ = spec.make_inputs(shape, torch.bfloat16, "cuda",
-                                                            torch.Generator(device="cuda").manual_seed(0))
-        t, hidden, inter, n_exp, _ = shape
-        weights, experts = M.route(x, router, k)
-        order, offs = M._permute(experts, n_exp)
-        tokens = order // k
-        w_rows = weights.reshape(-1)[order].float()
+        r = routed(shape)
+        x, gate_up, down, t, k, hidden, inter = r.x, r.gate_up, r.down, r.t, r.k, r.hidden, r.inter
+        order, offs, tokens, w_rows = r.order, r.offs, r.tokens, r.w_rows
         x_perm = x[tokens]
         h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(t * k, hidden, device="cuda", dtype=torch.bfloat16)

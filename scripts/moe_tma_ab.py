@@ -9,7 +9,7 @@ from triton.testing import do_bench
 
 from kernelkit.ops import _moe_gemm as G
 from kernelkit.ops import moe as M
-from kernelkit.ops import registry
+from moe_ab_inputs import SHAPES, routed
 
 
 def main():
@@ -17,14 +17,10 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
-    spec = registry.get("moe")
-    for label, shape in (("mixtral", (8192, 4096, 14336, 8, 2)), ("qwen3", (8192, 2048, 768, 128, 8))):
-        (x, router, gate_up, down, k), _ = spec.make_inputs(shape, torch.bfloat16, "cuda",
-                                                            torch.Generator(device="cuda").manual_seed(0))
-        t, hidden, inter, n_exp, _ = shape
-        _, experts = M.route(x, router, k)
-        order, offs = M._permute(experts, n_exp)
-        tokens = order // k
+    for label in ("mixtral", "qwen3"):
+        shape = SHAPES[label]
+        r = routed(shape)
+        x, gate_up, t, k, hidden, inter, offs, tokens = r.x, r.gate_up, r.t, r.k, r.hidden, r.inter, r.offs, r.tokens
         h = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * t * k * hidden * 2 * inter
         out = {}

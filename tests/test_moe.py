@@ -586,17 +586,24 @@ def test_quantize_segments_t_kernel_matches_its_definition(dtype, gather):
                            f"{bad.nonzero()[:5].tolist()}: got {got[bad][:5].tolist()} want {want[bad][:5].tolist()}")
 
 
-def test_fp8_wgrad_kernels_compile_for_sm90(monkeypatch):
-    # The fp8 wgrad as the fp8 backward launches it, at Hopper tiles, and the segment quantizer (GPU-only at run
-    # time: the interpreter's fp8 casts truncate) in its gather / row-scale variants, built for sm_90.
-    from kernelkit.testing import compile_check
+def _launch_recording_inputs():
+    """(args, leaves) of a small bf16 layer for the sm_90 compile tests, which record the launches the interpreter
+    makes (skipped outside it)."""
     from tests.conftest import INTERPRET
 
     if not INTERPRET:
         pytest.skip("records launches through the Triton interpreter")
-    records = []
     args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
-    leaves = [a.clone().requires_grad_() for a in args[:4]]
+    return args, [a.clone().requires_grad_() for a in args[:4]]
+
+
+def test_fp8_wgrad_kernels_compile_for_sm90(monkeypatch):
+    # The fp8 wgrad as the fp8 backward launches it, at Hopper tiles, and the segment quantizer (GPU-only at run
+    # time: the interpreter's fp8 casts truncate) in its gather / row-scale variants, built for sm_90.
+    from kernelkit.testing import compile_check
+
+    args, leaves = _launch_recording_inputs()
+    records = []
     monkeypatch.setattr(M, "FP8_WGRAD_MIN_ROWS", 0)
     with compile_check.record_launches(records):
         M.moe(*leaves, args[4], backward_precision="fp8").float().square().sum().backward()
@@ -836,13 +843,9 @@ def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
     # The persistent TMA grouped GEMM as the forward, the backward's dgrads and fp8 launch it (K-major and
     # N-major weight descriptors, every epilogue), at the Hopper tiles its autotuner picks from, for sm_90.
     from kernelkit.testing import compile_check
-    from tests.conftest import INTERPRET
 
-    if not INTERPRET:
-        pytest.skip("records launches through the Triton interpreter")
+    args, leaves = _launch_recording_inputs()
     records = []
-    args = _inputs((9, 64, 64, 4, 2), torch.bfloat16, "cpu")
-    leaves = [a.clone().requires_grad_() for a in args[:4]]
     with compile_check.record_launches(records):
         for gather in ("copy", "loads"):
             monkeypatch.setattr(G, "TMA_GATHER", gather)

@@ -26,6 +26,22 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _fp8_scale(amax, tiny, DTYPE: tl.constexpr):
+    """The quantizers' scale for an fp32 amax: amax / 448, at least `tiny` (an all-zero row or column), rounded to
+    the input's dtype (so the dequantization multiplies by exactly what the quantization divides by); NaN stays."""
+    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
+    return scale.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _fp8_cast(v, scale):
+    """v / scale clamped to +-448 (e4m3's range), as fp32 for the cast. div_rn: torch's IEEE division (Triton's
+    default fp32 divide is approximate and moved values across e4m3 rounding boundaries: the bit-exact GPU test
+    caught it at fp16, 37 x 4111)."""
+    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.constexpr):
     """One row per program: its amax (first pass), then q = clamp(x / scale, +-448) as e4m3 (second pass),
     scale = amax / 448 rounded to x's dtype. One read for the amax and one read and write for q: what the
@@ -38,14 +54,11 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.const
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # NaN spreads to the row
     amax = tl.reduce(amax, 0, _max_nan)
-    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
-    scale = scale.to(X.dtype.element_ty).to(tl.float32)
+    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        # div_rn: torch's IEEE division (Triton's default fp32 divide is approximate and moved values across
-        # e4m3 rounding boundaries: the bit-exact GPU test caught it at fp16, 37 x 4111).
-        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        q = _fp8_cast(v, scale)
         tl.store(Q + row * stride_q + cols, q.to(tl.float8e4nv), mask=cols < N)
     tl.store(S + row, scale)
 
@@ -68,15 +81,14 @@ def quantize_cols_t_kernel(X, Q, S, R, C, stride_xb, stride_xr, stride_xc, tiny,
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=(rr < R)[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
-    scale = scale.to(X.dtype.element_ty).to(tl.float32)
+    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
     tl.store(S + b * C + cols, scale, mask=c_ok)
     q_cols = Q + b * C * R + cols.to(tl.int64)[None, :] * R
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr < R)[:, None] & c_ok[None, :]
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        q = _fp8_cast(v, scale[None, :])
         tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
 
 
@@ -101,15 +113,14 @@ def quantize_segments_t_kernel(X, X_IDX, ROW_SCALE, Q, S, OFFS, POFFS, C, stride
         v = _segment_rows(X, X_IDX, ROW_SCALE, r0 + tl.arange(0, BLOCK_R), end, cols64, c_ok, stride_xr, stride_xc,
                           GATHER, HAS_SCALE)
         amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
-    scale = scale.to(X.dtype.element_ty).to(tl.float32)
+    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
     tl.store(S + e.to(tl.int64) * C + cols64, scale, mask=c_ok)
     q_cols = Q + cols64[None, :] * stride_q
     for p0 in range(pstart, pend, BLOCK_R):
         pr = p0 + tl.arange(0, BLOCK_R)
         rr = start + (pr - pstart)
         v = _segment_rows(X, X_IDX, ROW_SCALE, rr, end, cols64, c_ok, stride_xr, stride_xc, GATHER, HAS_SCALE)
-        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+        q = _fp8_cast(v, scale[None, :])
         q = tl.where((rr < end)[:, None], q, 0.0)  # the padding: zeros, also in a column whose scale is NaN
         tl.store(q_cols + pr[:, None], q.to(tl.float8e4nv), mask=(pr < pend)[:, None] & c_ok[None, :])
 
@@ -229,18 +240,19 @@ def _segments_width(rows: int, experts: int, pad: int) -> int:
     return (rows + experts * (pad - 1) + 15) // 16 * 16
 
 
-def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PAD):
+def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PAD, poffs=None):
     """The fp8 wgrad's operand: per expert segment [offs[e], offs[e + 1]) of x's rows (x[idx[r]] for row r with
     `idx`, times row_scale[r] with `row_scale`, rounded to x's dtype), each column quantized to float8_e4m3fn with
     its amax over the segment mapped to 448, and written transposed, K-contiguous: (q (C, W), scale (E, C) fp32,
     poffs (E + 1,) int32), segment e in q[:, poffs[e]:poffs[e] + its rows], zeros up to poffs[e + 1] (a multiple
     of `pad`). An empty expert has no columns and the smallest normal as its scales. No host sync: W is the
-    padded segments' upper bound. On a GPU one Triton kernel; elsewhere `quantize_segments_t_reference`."""
+    padded segments' upper bound. `poffs`: padded_offsets(offs, pad), when the caller has it already. On a GPU
+    one Triton kernel; elsewhere `quantize_segments_t_reference`."""
     if not x.is_cuda:
         return quantize_segments_t_reference(x, offs, idx, row_scale, pad)
     rows = x.shape[0] if idx is None else idx.shape[0]
     e, c = offs.shape[0] - 1, x.shape[1]
-    poffs = padded_offsets(offs, pad)
+    poffs = padded_offsets(offs, pad) if poffs is None else poffs
     q = torch.empty((c, _segments_width(rows, e, pad)), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
     block_c = min(64, next_pow2(c))

@@ -639,7 +639,7 @@ def _wgrad_fp8(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None):
     times `scale` per row) quantized per expert and column by quantize_segments_t (the transposed quantization
     along the tokens), the products dequantized in the epilogue. c (E, M, N) any strides."""
     aq, sa, poffs = quantize_segments_t(a, offs, a_idx, scale)
-    bq, sb, _ = quantize_segments_t(b, offs, b_idx)
+    bq, sb, _ = quantize_segments_t(b, offs, b_idx, poffs=poffs)
     _wgrad_fp8_gemm(aq, sa, bq, sb, poffs, c, a.shape[0] if a_idx is None else a_idx.shape[0])
 
 
