@@ -14,46 +14,19 @@ counters that confirm each step landed. Read the rungs in order: that is the les
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from . import hgemm, sgemm
+from .rung import KINDS, Launch, Rung
 
-KINDS = ("sgemm", "hgemm")
+__all__ = ["KINDS", "Launch", "Rung", "rungs", "get"]
 
-
-@dataclass
-class Launch:
-    """One rung bound to its tensors: `run()` writes A @ B into C; `params` is the configuration it runs
-    (tile sizes, stages...), recorded in the results and handed to the profiled re-run."""
-
-    run: Callable[[], None]
-    params: dict = field(default_factory=dict)
-
-
-def _any_shape(m: int, n: int, k: int) -> Optional[str]:
-    return None
-
-
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    what_changed: str  # one line for the table
-    expect: str  # the profiler signature that shows the step landed
-    kernel: str  # the kernel's name as the profiler lists it
-    # (a, b, c, params=None) -> Launch; params=None: the rung's own choice (it may time a few configs first)
-    build: Callable[..., Launch]
-    # why this rung cannot run an M x N x K problem, or None when it can
-    needs: Callable[[int, int, int], Optional[str]] = _any_shape
+_RUNGS = {"sgemm": sgemm.RUNGS, "hgemm": hgemm.RUNGS}
 
 
 def rungs(kind: str) -> list[Rung]:
-    """The rungs of one ladder, in order (imports the ladder's module: Triton for hgemm)."""
-    if kind == "sgemm":
-        from .sgemm import RUNGS
-    elif kind == "hgemm":
-        from .hgemm import RUNGS
-    else:
+    """The rungs of one ladder, in order."""
+    if kind not in _RUNGS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return list(RUNGS)
+    return list(_RUNGS[kind])
 
 
 def get(kind: str, name: str) -> Rung:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, num_sms
-from . import Launch, Rung
+from .rung import Launch, Rung, check_bf16_operands
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
 # (bf16 values are exact in fp32, so the result is the tensor cores').
@@ -149,14 +149,6 @@ def _fixed(params: dict) -> dict:
     return params
 
 
-def _check_operands(a, b, c) -> None:
-    for t, name in ((a, "a"), (b, "b"), (c, "c")):
-        if t.dtype != torch.bfloat16 or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D bfloat16 tensor, got {t.dtype} with {t.dim()} dims")
-    if a.shape[1] != b.shape[0] or tuple(c.shape) != (a.shape[0], b.shape[1]):
-        raise ValueError(f"shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} -> c {tuple(c.shape)}")
-
-
 def _chosen(kernel) -> Optional[dict]:
     cfg = getattr(kernel, "best_config", None)
     return _params(cfg) if cfg is not None else None
@@ -164,7 +156,7 @@ def _chosen(kernel) -> Optional[dict]:
 
 def _build_tiled(a, b, c, fixed: Optional[dict], params: Optional[dict]) -> Launch:
     """Rungs 1-5: hgemm_kernel with `params` (or the rung's `fixed` tiles); the autotuned rung when both are None."""
-    _check_operands(a, b, c)
+    check_bf16_operands(a, b, c)
     m, k = a.shape
     n = b.shape[1]
     args = (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
@@ -186,7 +178,7 @@ def _tma_problem(m: int, n: int, k: int) -> Optional[str]:
 
 
 def _build_persistent(a, b, c, params: Optional[dict]) -> Launch:
-    _check_operands(a, b, c)
+    check_bf16_operands(a, b, c)
     m, k = a.shape
     n = b.shape[1]
     for t, name in ((a, "a"), (b, "b"), (c, "c")):

@@ -29,7 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..ops._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate  # grouped order: as rung 3
 from ..tune import num_sms
-from . import Launch
+from .rung import Launch, check_bf16_operands
 
 HALF_M = 64  # rows per consumer warpgroup; the tile is 2 x HALF_M rows
 BLOCK_K = 64  # 128 bytes of bf16 per row: one full 128-byte swizzle line
@@ -151,9 +151,7 @@ _CHOSEN: dict = {}  # (M, N, K) -> the fastest of CONFIGS on this GPU, timed onc
 
 
 def build(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, params: Optional[dict] = None) -> Launch:
-    from .hgemm import _check_operands
-
-    _check_operands(a, b, c)
+    check_bf16_operands(a, b, c)
     m, k = a.shape
     n = b.shape[1]
     if problem := needs(m, n, k):

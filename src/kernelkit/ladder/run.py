@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from ..testing.bench import env_fingerprint, time_ms
 from . import KINDS, Launch, Rung, rungs
+from .signature import describe, find_ncu, profile
 
 # Normwise relative error ||C - C64|| / ||C64|| a correct rung stays under. fp32: summation-order differences
 # over K = 4096 give ~1e-6; TF32 (a 10-bit mantissa) would give ~3e-4 and fail. bf16: the output's rounding
@@ -97,8 +99,6 @@ def run_ladder(kind: str, shape: tuple[int, int, int], names: Optional[list[str]
     """Check, time and (with ncu) profile the chosen rungs of `kind` at shape (M, N, K), and cuBLAS (last row)."""
     import torch
 
-    from ..testing.bench import time_ms
-
     m, n, k = shape
     flops = 2.0 * m * n * k
     chosen = select(kind, names)
@@ -143,8 +143,6 @@ def run_ladder(kind: str, shape: tuple[int, int, int], names: Optional[list[str]
     if base:
         rows[-1].pct_of_cublas = 100.0
     if ncu:
-        from .signature import find_ncu, profile
-
         shared_reason = None  # a reason that holds for every rung (no ncu, no counters): said once
         for row in (r for r in rows if r.ms is not None):
             if shared_reason:
@@ -166,8 +164,6 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
 
 def print_rows(rows: list[Row], kind: str, shape, gpu: str, console) -> None:
     from rich.table import Table
-
-    from .signature import describe
 
     m, n, k = shape
     table = Table(title=f"{kind} ladder, {DTYPES[kind]}, M={m} N={n} K={k}, on {gpu}")
@@ -191,8 +187,6 @@ def print_rows(rows: list[Row], kind: str, shape, gpu: str, console) -> None:
 
 
 def write_json(rows: list[Row], path: Path, kind: str, shape) -> Path:
-    from ..testing.bench import env_fingerprint
-
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"kind": kind, "dtype": DTYPES[kind], "shape": list(shape), "env": env_fingerprint(),
            "tolerance": TOLERANCE[kind], "rows": [asdict(r) for r in rows]}

@@ -12,6 +12,9 @@ import argparse
 import contextlib
 import json
 
+from . import get
+from .run import cublas_rung, make_inputs, true_fp32
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernelkit.ladder.run_one", description=__doc__.splitlines()[0])
@@ -22,9 +25,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-
-    from . import get
-    from .run import cublas_rung, make_inputs, true_fp32
 
     m, n, k = (int(v) for v in args.shape.split(","))
     rung = cublas_rung(args.kind) if args.rung == "cublas" else get(args.kind, args.rung)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import Launch, Rung, nvrtc
+from . import nvrtc
+from .rung import Launch, Rung
 
 NAIVE = r"""
 // Rung 1. One thread per element of C: the dot product of a row of A and a column of B.
