@@ -205,6 +205,32 @@ def test_packed_layouts_and_grad_output_layouts(device):
         assert all(rel_error(g, w) < 2e-2 for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("max_seqlen", [None, 8])
+def test_packed_offsets_as_a_stepped_view(max_seqlen, device):
+    # Issue 26: cu_seqlens [0, 5, 12, 20] as a stride-2 view of [0, 9, 5, 9, 12, 9, 20]. The checks read it through
+    # the view (host or device); the kernels read the raw storage [0, 9, 5, ...]: outputs up to 3e38 and dq 5.7 off.
+    cu = torch.tensor([0, 9, 5, 9, 12, 9, 20], dtype=torch.int32, device=device)[::2]
+    assert cu.tolist() == [0, 5, 12, 20] and cu.stride() == (2,)
+    q, k, v = _qkv(None, 20, 20, 2, 2, 32, device=device)
+    _check(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=max_seqlen).raise_if_failed()
+
+
+def test_backward_reads_packed_offsets_and_output_as_given(device):
+    # attention_bwd on its own (the custom op's backward): a stepped cu_seqlens, and an o whose head_dim is not
+    # unit-stride, against the same call on contiguous copies (the deterministic dq: bitwise on the GPU too).
+    from kernelkit.ops.attention import attention_bwd, attention_fwd
+
+    cu = torch.tensor([0, 7, 7, 11, 19, 3, 30], dtype=torch.int32, device=device)[::2]
+    q, k, v = _qkv(None, 30, 30, 2, 1, 32, device=device)
+    o, lse = attention_fwd(q, k, v, True, None, None, cu.contiguous(), 19, 32 ** -0.5)
+    do = torch.randn_like(o)
+    o_t = o.transpose(1, 2).contiguous().transpose(1, 2)  # same values, head_dim stride 2
+    want = attention_bwd(do, None, q, k, v, o, lse, True, None, None, cu.contiguous(), 19, 32 ** -0.5, True)
+    got = attention_bwd(do, None, q, k, v, o_t, lse, True, None, None, cu, 19, 32 ** -0.5, True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_tensor_descriptors_only_for_aligned_bases_and_positive_strides():
     bf = dict(dtype=torch.bfloat16)
     x = torch.empty(2, 8, 4, 64, **bf)

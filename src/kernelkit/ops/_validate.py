@@ -93,6 +93,13 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """A small index, offset or scale tensor that a kernel reads by element index, without strides (cu_seqlens,
+    say): x itself when contiguous (an offset view included: the kernel's pointer starts at its first element),
+    else a contiguous copy, so that the kernel reads the values the launcher validated, not the raw storage."""
+    return x if x.is_contiguous() else _copied(x)
+
+
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 
 

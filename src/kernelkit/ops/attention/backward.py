@@ -287,8 +287,9 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     varlen = cu_seqlens is not None
     batch, seq_q, seq_k = ((cu_seqlens.numel() - 1, max_seqlen, max_seqlen) if varlen
                            else (q.shape[0], q.shape[1], k.shape[1]))
-    q, k, v = _validate.unit_last(q), _validate.unit_last(k), _validate.unit_last(v)
+    q, k, v, o = _validate.unit_last(q), _validate.unit_last(k), _validate.unit_last(v), _validate.unit_last(o)
     do = torch.zeros_like(o) if do is None else _validate.unit_last(do)
+    cu_seqlens = _validate.dense(cu_seqlens) if varlen else None  # the kernels read it by index, without strides
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:

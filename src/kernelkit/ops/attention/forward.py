@@ -314,6 +314,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         batch, seq_q, seq_k = validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale)
     if varlen and not on_host:
         check_offsets(cu_seqlens, q.shape[0], seq_q)
+    if varlen:  # validated through its strides, read by the kernels by index: a stepped view must not reach them
+        cu_seqlens = _validate.dense(cu_seqlens)
     q, k, v = _validate.unit_last(q), _validate.unit_last(k), _validate.unit_last(v)
     o = empty(q.shape, dtype=q.dtype, device=q.device)
     lse = empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
