@@ -1,5 +1,6 @@
 """The measured-ceilings cache: keyed on kernelkit's version, a bad file is a miss, writes are atomic."""
 
+import hashlib
 import json
 import os
 import threading
@@ -51,6 +52,30 @@ def test_cache_key_includes_kernelkit_version(fake_gpu, tmp_path, monkeypatch):
     ceil_mod.measure_ceilings()
     assert len(fake_gpu) == 2
     assert len(list((tmp_path / "ceilings").glob("*.json"))) == 2
+
+
+def test_a_cache_version_bump_measures_again(fake_gpu, tmp_path, monkeypatch):
+    # A changed measurement (other shapes, other timing) bumps CACHE_VERSION: what the old one cached is not read.
+    ceil_mod.measure_ceilings()
+    monkeypatch.setattr(ceil_mod, "CACHE_VERSION", ceil_mod.CACHE_VERSION + 1)
+    ceil_mod.measure_ceilings()
+    ceil_mod.measure_ceilings()
+    assert len(fake_gpu) == 2
+    assert len(list((tmp_path / "ceilings").glob("*.json"))) == 2
+
+
+def test_ceilings_cached_by_the_unversioned_release_are_measured_again(fake_gpu, tmp_path):
+    # The file the previous release keyed on (fingerprint, kernelkit's version, six NN shapes: a 300 ms median
+    # each, bf16 738 TF/s on the H100 where a profile saw 844) holds a valid but outdated figure: a miss.
+    old_shapes = [[4096, 4096, 4096], [8192, 8192, 8192], [8192, 8192, 32768], [8192, 2048, 32768],
+                  [8192, 32000, 2048], [8192, 128256, 4096]]
+    keyed = {**FP, "kernelkit": kernelkit.__version__, "matmul_shapes": old_shapes}
+    old = tmp_path / "ceilings" / f"{hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps(GOOD))
+    c = ceil_mod.measure_ceilings()
+    assert len(fake_gpu) == 1 and c.copy_gbps == 1001.0
+    assert json.loads(old.read_text())["copy_gbps"] == 900.0  # left alone; the new figures went beside it
 
 
 GOOD = Ceilings(gpu="Fake GPU", fingerprint=dict(FP), copy_gbps=900.0, tflops={"bf16": 90.0}, launch_us=4.0,
