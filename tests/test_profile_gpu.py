@@ -186,10 +186,16 @@ def test_cli_patch_sets_projections_against_measured_savings(tmp_path):
     rows = {r["switch"]: r for r in doc["patch"]["rows"]}
     assert {"rms_norm", "mlp", "attention", "cross_entropy"} <= set(rows), rows
     assert rows["rms_norm"]["measured_ms"] > 0 and rows["rms_norm"]["projected_ms"] > 0
+    # The profiler's hooks on lm_head made the fused loss fall back: "measured saving 0.000 ms, 3 fallbacks".
+    ce = rows["cross_entropy"]
+    assert ce["fallbacks"] == 0 and ce["measured_ms"] > 0 and "lm_head" in ce["modules"], ce
     total = doc["patch"]["total"]
     assert total["step_before_ms"] > 0 and total["step_after_ms"] > 0
+    assert sum(n for _, n in total["fallback_reasons"]) == total["fallbacks"], total  # each with its reason
     patched = json.loads((tmp_path / "patched" / "profile.json").read_text())
     assert any(r["op"] == "kernelkit::rms_norm" and r["pct_roof"] for r in patched["rows"])
+    ops = {r["op"] for r in patched["rows"]}
+    assert "kernelkit::linear_cross_entropy" in ops and not {o for o in ops if "nll_loss" in o or "log_softmax" in o}
 
 
 def test_gemm_and_loss_rows_stay_near_the_roof():

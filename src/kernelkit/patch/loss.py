@@ -74,11 +74,24 @@ def causal_lm_forward(self, *args, **kwargs):
     return _fused(self, kk, call)
 
 
+# Set on a forward hook that only watches calls and changes nothing (kernelkit profile's module tracker):
+# such a hook on lm_head does not stop the fused loss, else profiling a patched model would measure the
+# fallback instead of what the model runs.
+OBSERVER = "_kernelkit_observer"
+
+
+def observer(hook: Callable) -> Callable:
+    """`hook`, marked as one that only observes: the fused loss may skip calling lm_head under it."""
+    setattr(hook, OBSERVER, True)
+    return hook
+
+
 def _plain_linear(lm_head) -> str | None:
     """None when calling `lm_head` is exactly F.linear(x, lm_head.weight, lm_head.bias) — what the fused
     loss computes without calling it — else why not. Checked on every call: a LoRA adapter, a quantized
     or subclassed Linear, an instance forward, or forward hooks (FSDP's all-gather, weight norm, user hooks)
-    put on after the patch must run, so such a call takes the model's own forward."""
+    put on after the patch must run, so such a call takes the model's own forward (hooks marked `observer`,
+which only watch, do not count)."""
     nn = torch.nn
     if not isinstance(lm_head, nn.Linear) or type(lm_head).forward is not nn.Linear.forward \
             or "forward" in vars(lm_head):
@@ -87,7 +100,7 @@ def _plain_linear(lm_head) -> str | None:
 
     hooks = (lm_head._forward_hooks, lm_head._forward_pre_hooks, nn_module._global_forward_hooks,
              nn_module._global_forward_pre_hooks)
-    if any(hooks):
+    if any(not getattr(h, OBSERVER, False) for d in hooks for h in d.values()):
         return "forward hooks on lm_head"
     if not isinstance(lm_head.weight, torch.Tensor) or type(lm_head.weight) not in (torch.Tensor, nn.Parameter):
         return "lm_head weight is not a plain tensor"

@@ -48,6 +48,15 @@ def changed_ms(before: Trace, after: Trace) -> tuple[float, float, list[str]]:
     return t0, t1, sorted({k[0].split(":")[0] or "<top>" for k in changed})
 
 
+def fallbacks(report) -> list[tuple[str, str, int]]:
+    """(kind, reason, calls) of every call a kernelkit.patch report counts as run by the model's own code."""
+    return [(kind, reason, n) for (kind, reason), n in sorted(report.fallbacks.items())]
+
+
+def calls_text(n: int) -> str:
+    return f"{n} call{'s' if n != 1 else ''}" if n else "under torch.compile"
+
+
 def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, thresholds: Thresholds | None = None,
                      steps: int = 3, warmup: int = 1, backward: bool = True,
                      measure: Callable | None = None, progress: Callable[[str], None] | None = None
@@ -56,7 +65,8 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
     (the unpatched report, whose `.trace` holds its records). Returns (comparison, the report of the fully
     patched run, where kernelkit's own calls are rows). The comparison (JSON-able) has `rows`, one per switch
     the patch replaced something for, and `total`: projected and measured saving per step, and the step's
-    wall and GPU time before and after."""
+    wall and GPU time before and after, and the calls that fell back to the model's own code with the reason
+    (also notes of the patched report): the profiler's own hooks never cause one."""
     from .trace import measure as measure_on_gpu
 
     measure = measure or measure_on_gpu
@@ -75,14 +85,16 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
         return report, trace, rep
 
     full_patch, full_trace, after = run("kernelkit.patch(model)")
+    after.notes[:0] = [f"kernelkit.patch ran the model's own code for {kind} ({calls_text(n)}): {reason}"
+                       for kind, reason, n in fallbacks(full_patch)]
     kinds = [s for s in SWITCHES if full_patch.count(s)]
     rows = []
     for kind in kinds:
         found = [k for k in before.kernels if PATCH_SWITCH.get(k["kernel"]) == kind]
         if len(kinds) > 1:
-            _, trace, rep = run(f"kernelkit.patch(model) with only {kind}", **{s: s == kind for s in SWITCHES})
+            alone, trace, rep = run(f"kernelkit.patch(model) with only {kind}", **{s: s == kind for s in SWITCHES})
         else:
-            trace, rep = full_trace, after
+            alone, trace, rep = full_patch, full_trace, after
         t0, t1, modules = changed_ms(before.trace, trace)
         rows.append({
             "switch": kind,
@@ -95,7 +107,8 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
             "measured_ms": t0 - t1, "changed_before_ms": t0, "changed_after_ms": t1, "modules": modules,
             "step_before_ms": before.step_ms, "step_after_ms": rep.step_ms,
             "gpu_before_ms": before.gpu_ms, "gpu_after_ms": rep.gpu_ms,
-            "fallbacks": full_patch.fallback_count(kind),
+            "fallbacks": alone.fallback_count(kind),
+            "fallback_reasons": [[r, n] for k, r, n in fallbacks(alone) if k == kind],
         })
     t0, t1, modules = changed_ms(before.trace, full_trace)
     projected = [k["saving_ms"] for k in before.kernels if PATCH_SWITCH.get(k["kernel"]) in kinds]
@@ -103,7 +116,8 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
              "measured_ms": t0 - t1, "changed_before_ms": t0, "changed_after_ms": t1, "modules": modules,
              "step_before_ms": before.step_ms, "step_after_ms": after.step_ms,
              "gpu_before_ms": before.gpu_ms, "gpu_after_ms": after.gpu_ms,
-             "fallbacks": full_patch.fallback_count()}
+             "fallbacks": full_patch.fallback_count(),
+             "fallback_reasons": [[f"{k}: {r}", n] for k, r, n in fallbacks(full_patch)]}
     kk_ms = sum(r.ms or 0.0 for r in after.rows if r.op.startswith("kernelkit::"))
     return {"family": full_patch.family, "replaced": [[r.kind, r.target, r.count] for r in full_patch.replaced],
             "skipped": [list(s) for s in full_patch.skipped], "rows": rows, "total": total,

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..hw.ceilings import Ceilings
 from ..roofline.plot import roofline_png
 from .analysis import Report, Row
+from .compare import calls_text
 from .trace import Trace
 
 
@@ -101,6 +102,8 @@ def patch_table_rows(comp: dict) -> list[dict]:
                     "measured_ms": r.get("measured_ms"), "step_before_ms": r.get("step_before_ms"),
                     "step_after_ms": r.get("step_after_ms"), "gpu_before_ms": r.get("gpu_before_ms"),
                     "gpu_after_ms": r.get("gpu_after_ms"), "fallbacks": r.get("fallbacks", 0),
+                    "fallback_reasons": "; ".join(f"{why} ({calls_text(n)})"
+                                                  for why, n in r.get("fallback_reasons", [])),
                     "call": r.get("call", "")})
     return out
 
@@ -126,6 +129,16 @@ def print_patch_comparison(comp: dict, console=None) -> None:
         t.add_row(escape(r["switch"]), escape(r["findings"]), proj, _f(r["measured_ms"], ".3f"), step,
                   str(r["fallbacks"] or ""), style="bold" if r["switch"] == "all" else None)
     console.print(t)
+    # Why calls fell back: under the whole patch, then any other reason seen with a switch alone.
+    total = comp.get("total") or {}
+    seen = {why for why, _ in total.get("fallback_reasons", [])}
+    lines = [(why, n, "") for why, n in total.get("fallback_reasons", [])]
+    for r in comp.get("rows", []):
+        lines += [(f"{r['switch']}: {why}", n, f" with only {r['switch']}") for why, n in r.get("fallback_reasons", [])
+                  if f"{r['switch']}: {why}" not in seen]
+    for why, n, alone in lines:
+        console.print(f"[yellow]fallback:[/] kernelkit.patch ran the model's own code{alone} ({calls_text(n)}): "
+                      f"{escape(why)}", highlight=False)
     for what, why in comp.get("skipped", []):
         console.print(f"kernelkit.patch left {escape(str(what))} alone: {escape(str(why))}")
 
@@ -193,7 +206,7 @@ def to_html(rep: Report, png: Path | None) -> str:
         sections.append("<h2>Under kernelkit.patch: projected against measured</h2>" + _table(
             patch_table_rows(doc["patch"]), ["switch", "findings", "projected_ms", "projection", "measured_ms",
                                              "step_before_ms", "step_after_ms", "gpu_before_ms", "gpu_after_ms",
-                                             "fallbacks", "call"]))
+                                             "fallbacks", "fallback_reasons", "call"]))
     if doc["kernels"]:
         sections.append("<h2>kernelkit kernels for these ops</h2>" + _table(doc["kernels"], [
             "kernel", "replaces", "via", "in", "instances", "phases", "calls", "distinct_shapes", "today_ms",

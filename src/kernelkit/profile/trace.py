@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .costs import attention_flops, extent_bytes, kernelkit_cost, op_cost, parse_range, tensors
+from ..patch.loss import observer
 from ..roofline.model import Cost, dtype_key
 
 TRACE_FORMAT = "kernelkit-trace/1"
@@ -188,8 +189,9 @@ class _ModuleTracker:
             return
         for name, mod in model.named_modules():
             label = f"{name or '<model>'}:{type(mod).__name__}"
-            self.handles.append(mod.register_forward_pre_hook(partial(self._pre, label), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(partial(self._post, label), with_kwargs=True))
+            # Marked as observers: a patched model's fused loss still skips the lm_head they watch.
+            self.handles.append(mod.register_forward_pre_hook(observer(partial(self._pre, label)), with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(observer(partial(self._post, label)), with_kwargs=True))
             params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
             if params and isinstance(mod, _ONE_NODE):
                 self.waiting[label] = {id(p) for p in params}
