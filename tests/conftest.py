@@ -1,9 +1,18 @@
 import os
+import random
+import zlib
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Hypothesis draws its examples from a seed of its own: derandomized, a property test sees the same shapes
+# on every run and every worker, as the fixture below makes every test's random tensors the same.
+settings.register_profile("kernelkit", derandomize=True)
+settings.load_profile("kernelkit")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,6 +20,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+def node_seed(nodeid: str) -> int:
+    """The seed of one test: a hash of its node id, so a test's inputs are the same on every run, alone or
+    in any order, on any xdist worker (Python's hash() of a str changes with every process)."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _seed_every_test(request):
+    """Seed torch (CPU and every GPU), random and numpy before each test: an unseeded torch.randn in a test
+    draws the same numbers every run, so a test that catches a bug catches it every time."""
+    seed = node_seed(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 @pytest.fixture

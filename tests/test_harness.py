@@ -1,11 +1,15 @@
 import json
+import random
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from kernelkit.hw import DATASHEETS, Ceilings
 from kernelkit.testing import check, empty_like, poisoned_outputs, rel_error
 from kernelkit.testing.bench import Row, plot, print_table, rotation_count, write_json
+from tests.conftest import node_seed
 
 
 def ref_scale(x):
@@ -70,6 +74,28 @@ def test_run_twice_flags_results_that_change():
 
     rep = check(racy, ref_scale, (torch.randn(64),))
     assert not rep.ok and "differs between two identical calls" in rep.failures[-1]
+
+
+def test_output_structure_must_be_the_references():
+    # A 1-tuple is not the tensor it holds; a list and a tuple of the same outputs are alike.
+    rep = check(lambda x: (x * 2,), ref_scale, (torch.randn(8),))
+    assert not rep.ok and rep.failures == ["output structure: out is a tuple of 1 (tensor,), the reference's is "
+                                           "a tensor"]
+    two = lambda x: (x * 2, x * 3)  # noqa: E731
+    assert check(lambda x: [x * 2, x * 3], two, (torch.randn(8),)).ok
+    rep = check(lambda x: (x * 2, None), two, (torch.randn(8),))
+    assert rep.failures == ["output structure: out[1] is None, the reference's is a tensor"]
+
+
+def test_every_test_starts_from_its_own_seed(request):
+    # conftest seeds torch, random and numpy from the test's node id: the same numbers on every run and worker,
+    # whatever ran before in the process.
+    seed = node_seed(request.node.nodeid)
+    assert seed == zlib.crc32(b"tests/test_harness.py::test_every_test_starts_from_its_own_seed")
+    assert torch.initial_seed() == seed
+    assert torch.equal(torch.randn(5), torch.randn(5, generator=torch.Generator().manual_seed(seed)))
+    assert random.random() == random.Random(seed).random()
+    assert np.random.rand() == np.random.RandomState(seed).rand()
 
 
 def test_nan_in_reference_must_match():

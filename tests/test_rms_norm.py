@@ -34,6 +34,25 @@ def test_offset_and_no_weight(offset, has_weight, device):
           (x, w), grad_args=(0, 1) if has_weight else (0,)).raise_if_failed()
 
 
+@pytest.mark.parametrize("looped", [False, True])
+def test_eps_is_added_to_the_mean_square(looped, device, monkeypatch):
+    # Activations of ~1e-3 have a mean square of ~1e-6, far below eps = 1e-2: eps sets the scale of y, so an eps
+    # dropped, scaled or added twice (in the fused or the looped kernel) is off by a factor, not a rounding.
+    import kernelkit.ops.rms_norm as mod
+
+    if looped:
+        monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(mod, "LOOP_BLOCK_N", 128)
+    x = torch.randn(7, 300, device=device) * 1e-3
+    w = 1.0 + 0.1 * torch.randn(300, device=device)
+    check(lambda x, w: kernelkit.rms_norm(x, w, 1e-2), lambda x, w: reference(x, w, 1e-2), (x, w),
+          grad_args=(0, 1)).raise_if_failed()
+    # Where mean(x²) is about eps, both terms matter: y is x / sqrt(2 eps), not x / sqrt(eps).
+    x = torch.randn(7, 300, device=device) * 0.1
+    check(lambda x, w: kernelkit.rms_norm(x, w, 1e-2), lambda x, w: reference(x, w, 1e-2), (x, w),
+          grad_args=(0, 1)).raise_if_failed()
+
+
 def test_looped_kernel_long_rows(device, monkeypatch):
     # Force the looped kernels at a small size so the interpreter can run them quickly.
     import kernelkit.ops.rms_norm as mod

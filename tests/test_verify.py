@@ -124,6 +124,58 @@ def test_a_candidate_may_alias_its_input_where_the_reference_does():
     assert "view of its input" in report.finding("aliasing").detail
 
 
+def _softmax(x):
+    return torch.softmax(x, -1)
+
+
+def _two(x):
+    return torch.softmax(x, -1), torch.log_softmax(x, -1)
+
+
+# (candidate, reference, what the finding must say): the output rule, KernelBench's: the same structure.
+STRUCTURE_MISMATCHES = [
+    (lambda x: (_softmax(x),), _softmax, "out is a tuple of 1 (tensor,), the reference's is a tensor"),
+    (lambda x: [_softmax(x)], _softmax, "out is a list of 1 (tensor,), the reference's is a tensor"),
+    (_softmax, lambda x: (_softmax(x),), "out is a tensor, the reference's is a tuple of 1 (tensor,)"),
+    (lambda x: (*_two(x), x.sum(-1)), _two, "out is a tuple of 3 (tensor, tensor, tensor), the reference's is a "
+                                            "tuple of 2 (tensor, tensor)"),
+    (lambda x: _two(x)[:1], _two, "out is a tuple of 1 (tensor,), the reference's is a tuple of 2"),
+    (lambda x: (_softmax(x), None), _two, "out[1] is None, the reference's is a tensor"),
+    (lambda x: (_softmax(x), (x, None)), lambda x: (_softmax(x), (x, x * 1)), "out[1][1] is None"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STRUCTURE_MISMATCHES)))
+def test_output_structure_must_match_the_reference(case):
+    candidate, reference, says = STRUCTURE_MISMATCHES[case]
+    report = check_module(candidate, reference, lambda: [torch.randn(4, 8)], trials=1)
+    assert "output structure" in report.failed, [(f.check, f.result, f.detail) for f in report.findings]
+    detail = report.finding("output structure").detail
+    assert says in detail and "correctness trial 0" in detail, detail
+
+
+def test_a_list_and_a_tuple_of_the_same_outputs_are_alike():
+    report = check_module(lambda x: list(_two(x)), _two, lambda: [torch.randn(4, 8)], trials=1)
+    assert report.ok, [(f.check, f.result, f.detail) for f in report.findings]
+    assert report.finding("output structure").result == PASS
+    assert "(tensor, tensor)" in report.finding("output structure").detail
+
+
+def test_cli_output_structure_mismatch_fails_saying_what_differs(tmp_path):
+    wrapped = tmp_path / "wrapped.py"
+    wrapped.write_text("import torch\nclass ModelNew(torch.nn.Module):\n"
+                       "    def forward(self, x):\n        return (torch.softmax(x, -1),)\n")
+    out = tmp_path / "report.json"
+    res = runner.invoke(app, ["check", str(wrapped), "--reference", str(FIXTURES / "softmax_ref.py"), "--device",
+                              "cpu", "--json", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "1 check(s) failed: output structure" in res.output
+    detail = {f["check"]: f["detail"] for f in json.loads(out.read_text())["findings"]}["output structure"]
+    assert "out is a tuple of 1 (tensor,), the reference's is a tensor" in detail, detail
+    help_text = " ".join(runner.invoke(app, ["check", "--help"]).output.split())
+    assert "(out,)" in help_text and "structure" in help_text
+
+
 def test_problem_errors():
     with pytest.raises(ProblemError, match="neither ModelNew nor Model"):
         load_problem(FIXTURES / "no_model.py", FIXTURES / "softmax_ref.py")

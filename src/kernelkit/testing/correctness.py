@@ -50,10 +50,51 @@ class CheckReport:
             raise AssertionError("; ".join(self.failures))
 
 
-def _flat(out) -> list[torch.Tensor | None]:
-    if isinstance(out, torch.Tensor) or out is None:
-        return [out]
-    return list(out)
+def leaves(out) -> list:
+    """The tensors (and Nones, and other values) a call returned, in order, nested tuples and lists walked."""
+    if isinstance(out, (tuple, list)):
+        return [leaf for o in out for leaf in leaves(o)]
+    return [out]
+
+
+def _kind(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    if x is None:
+        return "None"
+    return "tuple/list" if isinstance(x, (tuple, list)) else type(x).__name__
+
+
+def structure(out) -> str:
+    """A return value's structure as the output rule sees it: ``tensor``, ``None``, ``(tensor, None)`` for a
+    tuple or list of two (the two written alike), ``(tensor,)`` for one of one; any other value by its type."""
+    if isinstance(out, (tuple, list)):
+        inner = ", ".join(structure(o) for o in out)
+        return f"({inner},)" if len(out) == 1 else f"({inner})"
+    return _kind(out)
+
+
+def _says(x) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} {structure(x)}"
+    return "None" if x is None else f"a {_kind(x)}"
+
+
+def structure_mismatch(out, ref, what: str = "out") -> str | None:
+    """The output rule: `out` has `ref`'s structure. A tensor where the reference returns a tensor (a 1-tuple
+    holding one is not a tensor), a tuple or list of the same length where it returns a tuple or list (the two
+    alike: callers index and unpack both the same way), None where it returns None, and so on for each element.
+    Returns the first difference, naming its position (``out[1]``), or None. Two plain values (3 and 3.0) are
+    left to the comparison of values, and tensors' shapes and dtypes to the callers."""
+    if isinstance(out, (tuple, list)) and isinstance(ref, (tuple, list)):
+        if len(out) != len(ref):
+            return f"{what} is {_says(out)}, the reference's is {_says(ref)}"
+        return next((p for p in (structure_mismatch(o, r, f"{what}[{i}]") for i, (o, r) in enumerate(zip(out, ref)))
+                     if p), None)
+    kinds = {_kind(out), _kind(ref)}
+    if len(kinds) == 1 or not kinds & {"tensor", "None", "tuple/list"}:
+        return None
+    return f"{what} is {_says(out)}, the reference's is {_says(ref)}"
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -119,7 +160,7 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
           run_twice: bool = True, generator: torch.Generator | None = None) -> CheckReport:
     """Check one call of `fn(*args, **kwargs)` against `reference` evaluated in float64.
 
-    Outputs are allocated poisoned; gradients of `args[i]` for i in `grad_args` are compared with
+    The outputs must have the reference's structure (`structure_mismatch`). Outputs are allocated poisoned; gradients of `args[i]` for i in `grad_args` are compared with
     the reference's autograd under the same random output gradient; with `run_twice`, a second
     identical call must give bitwise-identical outputs (a differing result means a race).
     """
@@ -133,11 +174,13 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
             else a for i, a in enumerate(args)]
     ref_args = [to_reference(a) for a in args]
     with poisoned_outputs():
-        out = _flat(fn(*args, **kwargs))
-    ref = _flat(reference(*ref_args, **kwargs))
-    if len(out) != len(ref):
-        report.failures.append(f"output count {len(out)} != reference {len(ref)}")
+        out = fn(*args, **kwargs)
+    ref = reference(*ref_args, **kwargs)
+    problem = structure_mismatch(out, ref)
+    if problem:
+        report.failures.append(f"output structure: {problem}")
         return report
+    out, ref = leaves(out), leaves(ref)
     for i, (o, r) in enumerate(zip(out, ref)):
         if r is None:
             continue
@@ -161,7 +204,7 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
             compare(g, rg, grad_tol, f"grad[{i}]", report)
 
     if run_twice:
-        again = _flat(fn(*args, **kwargs))
+        again = leaves(fn(*args, **kwargs))
         for i, (o, o2) in enumerate(zip(out, again)):
             if isinstance(o, torch.Tensor) and not _bitwise_equal(o.detach(), o2.detach()):
                 report.failures.append(f"out[{i}] differs between two identical calls (race?)")

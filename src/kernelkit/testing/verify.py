@@ -17,8 +17,10 @@ Each check closes one way a kernel can look right without being right:
 - determinism: identical calls; bitwise differences within tolerance are a warning, beyond it a failure.
 - pending work (GPU): outputs read on the current stream right after the call returns, with no
   synchronization of other streams, must already be complete.
-- aliasing, input mutation: over every call above, no output shares memory with an input or with an
-  earlier call's output, and no input changes.
+- output structure, aliasing, input mutation: over every call above, the candidate returns what the reference
+  returns (the same structure: a tensor where it returns a tensor, not a 1-tuple holding one; a tuple or list,
+  the two alike, of as many where it returns one; None where it returns None; `correctness.structure_mismatch`),
+  no output shares memory with an input or with an earlier call's output, and no input changes.
 - timing (GPU): do_bench (L2 flushed) of the candidate, the reference eager and torch.compile(reference).
 """
 
@@ -32,12 +34,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .correctness import TOLERANCES, CheckReport, _bitwise_equal, _flat, compare, rel_error, rounded_like_backend
+from .correctness import (TOLERANCES, CheckReport, _bitwise_equal, compare, leaves, rel_error, rounded_like_backend,
+                          structure, structure_mismatch)
 from .poison import poisoned_outputs
 
 PASS, FAIL, WARN, SKIP, INFO = "pass", "fail", "warn", "skip", "info"
 CHECKS = ("correctness", "poisoned memory", "input scales", "sizes", "caching", "determinism", "pending work",
-          "aliasing", "input mutation", "timing")
+          "output structure", "aliasing", "input mutation", "timing")
 
 
 @dataclass
@@ -153,6 +156,7 @@ class _Session:
         self.calls = 0
         self.mutations: list[str] = []
         self.aliases: list[str] = []
+        self.structures: list[str] = []  # calls whose return had another structure than the reference's
         self.last_outputs: list = []  # kept alive, so a buffer handed out again shows as shared storage
         self.worst: dict[str, float] = {}
         self.timings: dict[str, float] = {}
@@ -161,7 +165,8 @@ class _Session:
         mine = _copies(probe)
         try:
             with torch.no_grad():
-                self.native = _flat(reference(*mine))  # kept alive: a freed reference output is what torch.empty reuses
+                self.native_out = reference(*mine)
+            self.native = leaves(self.native_out)  # kept alive: a freed reference output is what torch.empty reuses
         except Exception as e:
             raise ValueError(f"the reference raised on its own inputs: {exception_line(e)}") from e
         self.poison_sizes = sorted({o.untyped_storage().nbytes() for o in self.native if isinstance(o, torch.Tensor)})
@@ -172,7 +177,7 @@ class _Session:
         try:
             ref64 = copy.deepcopy(reference).double() if isinstance(reference, torch.nn.Module) else reference
             with torch.no_grad():
-                out = _flat(ref64(*[self._to64(x) for x in probe]))
+                out = leaves(ref64(*[self._to64(x) for x in probe]))
             if not any(isinstance(o, torch.Tensor) and o.dtype == torch.float64 for o in out):
                 raise TypeError("it returned no float64 output")
             self.reference_fn, self.precision = ref64, "float64"
@@ -195,7 +200,7 @@ class _Session:
     def reference(self, xs: Sequence) -> list:
         """The reference's outputs on copies of xs (float64 where it accepts it)."""
         with torch.no_grad():
-            return _flat(self.reference_fn(*[self._to64(x) if self.in64 else _copies([x])[0] for x in xs]))
+            return leaves(self.reference_fn(*[self._to64(x) if self.in64 else _copies([x])[0] for x in xs]))
 
     def candidate(self, xs: list, what: str, early_copy: bool = False):
         """One candidate call on xs, with free memory poisoned before it; records mutated inputs and outputs
@@ -204,7 +209,10 @@ class _Session:
         before = _copies(xs)
         poison_free_memory(self.device, self.poison_sizes)
         with torch.no_grad(), poisoned_outputs():
-            outs = _flat(self.candidate_fn(*xs))
+            returned = self.candidate_fn(*xs)
+        if problem := structure_mismatch(returned, self.native_out):
+            self.structures.append(f"{what}: {problem}")
+        outs = leaves(returned)
         early = [o.clone() if isinstance(o, torch.Tensor) else o for o in outs] if early_copy else None
         self.calls += 1
         for i, (x, x0) in enumerate(zip(xs, before)):
@@ -498,6 +506,16 @@ def _timing(s: _Session, pending: Finding) -> Finding:
     return Finding("timing", INFO, "; ".join(parts + notes) + " (median, L2 flushed; Nx = candidate speedup)")
 
 
+def _output_structure(s: _Session) -> Finding:
+    if not s.calls:
+        return Finding("output structure", SKIP, "the candidate returned from no call")
+    if s.structures:
+        return Finding("output structure", FAIL, f"in {len(s.structures)} of {s.calls} calls; first: "
+                                                 f"{s.structures[0]}: return what the reference returns")
+    return Finding("output structure", PASS, f"{s.calls} calls: the reference's structure, "
+                                             f"{structure(s.native_out)}")
+
+
 def _aliasing(s: _Session) -> Finding:
     if s.aliases:
         return Finding("aliasing", FAIL, f"in {len(s.aliases)} of {s.calls} calls; first: {s.aliases[0]}")
@@ -520,7 +538,10 @@ def check_module(candidate: Callable, reference: Callable, make_inputs: Callable
     """Verify `candidate(*inputs)` against `reference(*inputs)` on inputs from `make_inputs()`.
 
     candidate, reference: nn.Modules (moved to `device`) or plain callables taking the inputs positionally;
-    outputs a tensor or a tuple/list of them. make_inputs: returns a fresh list of inputs from the global
+    outputs a tensor or a tuple/list of them. The candidate must return the reference's structure (the "output
+    structure" check): a tensor where the reference returns a tensor, so ``(out,)`` for ``out`` fails; a tuple or
+    list (the two alike) of the same length where it returns a tuple or list; None where it returns None; the
+    tensors of the same shapes ("correctness" also compares their dtypes). make_inputs: returns a fresh list of inputs from the global
     RNG (KernelBench's get_inputs), called once per case after seeding, so every trial has new values.
     device: where inputs go (default: the first input's device). rtol replaces the output dtype's relative-
     norm tolerance (TOLERANCES: 1e-5 for float32); with atol, an output within |out - ref| <= atol + rtol|ref|
@@ -547,7 +568,8 @@ def _run_checks(s: _Session, trials: int, timing: bool, progress: Callable[[str]
     steps = [("correctness", lambda: _correctness(s, trials)), ("poisoned memory", lambda: _poisoned_memory(s)),
              ("input scales", lambda: _input_scales(s)), ("sizes", lambda: _sizes(s)),
              ("caching", lambda: _caching(s)), ("determinism", lambda: _determinism(s)),
-             ("pending work", lambda: _pending_work(s)), ("aliasing", lambda: _aliasing(s)),
+             ("pending work", lambda: _pending_work(s)), ("output structure", lambda: _output_structure(s)),
+             ("aliasing", lambda: _aliasing(s)),
              ("input mutation", lambda: _input_mutation(s)),
              ("timing", lambda: _timing(s, report.finding("pending work")) if timing
               else Finding("timing", SKIP, "not asked for"))]
