@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install without network, measure the ceilings, run the GPU tests, run the
 # kernels under compute-sanitizer memcheck, and run the benchmarks. Everything lands in $OUT/results.tar.gz
-# (the device tool returns at most 8 files) plus a summary; copy it into benchmarks/results/h100/.
+# (the device tool returns at most 8 files) plus a summary. The bench stage appends its rows to the GPU's
+# results table (benchmarks/results/<gpu>.csv) and packs the table: copy results/<gpu>.csv over the
+# checkout's to commit them. Test and sanitizer logs are for reading, not committing; other outputs worth
+# keeping go to benchmarks/experiments/<gpu>/<date>-<topic>/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,latency,demo,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,demo,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
 # The test stage runs the whole suite on the GPU (the CPU suite's edge cases through the real compiler, plus
 # the gpu-marked tests); TEST_MARK=gpu narrows it to the gpu-marked ones. The host stage compares host time
 # per call with a baseline tree carried in .base/src (git worktree add .base <commit>), when present.
@@ -77,6 +80,7 @@ if has bench; then
     timeout "${BENCH_TIMEOUT:-1800}" $KK bench "$op" --out "$RES/bench" ${BENCH_FLAGS:-} ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
       2>&1 | tee -a "$RES/bench.log"
   done
+  cp benchmarks/results/*.csv "$RES/" && log "packed the results tables: $(ls benchmarks/results/*.csv)"
 fi
 if has host && [ -d .base/src ]; then
   HOST_OPS=${HOST_OPS:-"rope layer_norm softmax rms_norm add_rms_norm swiglu cross_entropy"}
@@ -92,10 +96,6 @@ if has flce && [ -f benchmarks/linear_cross_entropy.py ]; then
 fi
 if has gemm && [ -f benchmarks/gemm.py ]; then
   log "GEMM vs cuBLAS"; timeout ${GEMM_TIMEOUT:-420} python3 benchmarks/gemm.py --out "$RES/gemm.json" ${GEMM_FLAGS:-} 2>&1 | tee "$RES/gemm.log" | tail -40
-fi
-if has latency; then
-  log "first-call latency, cold vs warm tuning cache"
-  timeout ${LATENCY_TIMEOUT:-300} python3 scripts/tune_latency.py ${LATENCY_OPS:-} --json "$RES/tune_latency.json" 2>&1 | tee "$RES/tune_latency.log" | tail -20
 fi
 if has demo; then  # make demo's check on a new machine: no tuning cache, no compiled kernels
   log "kernelkit check all, cold caches"

@@ -20,11 +20,12 @@ from kernelkit.profile import Thresholds, Trace, analyze
 from kernelkit.profile.compare import changed_ms, patch_comparison
 from kernelkit.profile.costs import attention_flops, kernelkit_cost, parse_range
 from kernelkit.profile.kineto import attribute
-from kernelkit.profile.projection import (PATCH_SWITCH, SWITCHES, apply_text, call_shape, shape_key,
+from kernelkit.profile.projection import (PATCH_SWITCH, SWITCHES, apply_text, call_shape, results_table, shape_key,
                                           table_efficiency)
 from kernelkit.profile.report import _kernelkit_cell, print_patch_comparison, to_html
 from kernelkit.profile.trace import OpRecord, profiled_steps
 from kernelkit.roofline.plot import _overlaps, place_labels, roofline_png
+from kernelkit.testing import results
 from tests.conftest import INTERPRET
 
 H100 = Ceilings.from_spec(DATASHEETS["h100-sxm"])
@@ -220,25 +221,61 @@ def test_a_faster_kernel_is_recommended_with_its_measured_saving():
     assert "attention=False" in finding  # the switch that leaves it out
 
 
-def test_projection_falls_back_to_the_tables_then_to_the_roofline(tmp_path):
-    folder = tmp_path / "h100"
-    folder.mkdir()
-    rows = [{"op": "attention", "shape": f"{b}x{s}x16x128x{c}", "dtype": "bfloat16", "mode": m, "impl": impl,
-             "ms": 1.0, "pct_roof": pct, "kernel_ms": None}
-            for b, s in ((8, 2048), (1, 16384)) for c in (True, False) for m in ("fwd", "bwd")
-            for impl, pct in (("kernelkit", 50.0 if s == 2048 else 70.0), ("sdpa-cudnn", 80.0))]
-    (folder / "attention-d128.json").write_text(json.dumps({"op": "attention", "rows": rows}))
-    (folder / "attention-d128.configs.json").write_text("{}")
-    eff = table_efficiency(folder, "attention", (4, 2048, 16, 128, True, 2048, 4), "bfloat16", "fwd")
-    assert eff == (0.5, "h100/attention-d128.json at 8x2048x16x128xTrue bfloat16")
+def _pct_rows(shapes_pct: dict, impl="kernelkit", metric="pct_roof", timestamp="2026-11-23T08:44:41Z") -> list[dict]:
+    """Results-table rows (testing.results) of % of roof for attention at {(batch, seq): pct}, causal or not, fwd
+    and bwd."""
+    return [{"op": "attention", "impl": impl, "shape": f"{b}x{s}x16x128x{c}", "dtype": "bfloat16", "mode": m,
+             "metric": metric, "value": pct, "unit": "%", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0",
+             "triton": "3.6.0", "commit": "cc58d02", "timestamp": timestamp}
+            for (b, s), pct in shapes_pct.items() for c in (True, False) for m in ("fwd", "bwd")]
+
+
+def test_projection_falls_back_to_the_table_then_to_the_roofline(tmp_path):
+    table = tmp_path / "h100.csv"
+    results.append(table, _pct_rows({(8, 2048): 50.0, (1, 16384): 70.0})
+                   + _pct_rows({(8, 2048): 80.0, (1, 16384): 80.0}, impl="sdpa-cudnn"))
+    assert results_table(H100.gpu, tmp_path) == table and results_table("NVIDIA L40S", tmp_path) is None
+    eff = table_efficiency(table, "attention", (4, 2048, 16, 128, True, 2048, 4), "bfloat16", "fwd")
+    assert eff == (0.5, "h100.csv: attention 8x2048x16x128xTrue bfloat16 fwd (end to end), 2026-11-23")
     # cuDNN at about 70% of the roof (0.10 ms forward, 0.25 ms backward); kernelkit at 50% in the table
     rep = analyze(_attention_trace(today_fwd=0.10, today_bwd=0.25), H100, tables=tmp_path)
     (k,) = rep.kernels
-    assert k["projection"] == "table" and "50% of roof in h100/attention-d128.json" in k["projection_source"]
+    assert k["projection"] == "table" and "50% of roof in h100.csv: attention 8x2048" in k["projection_source"]
     floor = 4 * 16 * 128 * 4 * (2048 * 2049 / 2) / 989.4e12 * 1e3
     assert k["kernelkit_ms"] == pytest.approx(2 * 3.5 * floor / 0.5, rel=1e-3) and not k["recommended"]
     rep = analyze(_attention_trace(), H100, tables=None)
     assert rep.kernels[0]["projection"] == "roofline" and "assumed 90%" in rep.kernels[0]["projection_source"]
+
+
+def test_table_projection_takes_the_newest_row_and_kernel_time_first(tmp_path):
+    table = tmp_path / "h100.csv"
+    shape = (4, 2048, 16, 128, True, 2048, 4)
+    results.append(table, _pct_rows({(8, 2048): 60.0}, timestamp="2026-11-24T10:00:00Z"))
+    results.append(table, _pct_rows({(8, 2048): 40.0}, timestamp="2026-11-23T10:00:00Z"))  # older, appended later
+    assert table_efficiency(table, "attention", shape, "bfloat16", "fwd")[0] == 0.6
+    results.append(table, _pct_rows({(8, 2048): 75.0}, timestamp="2026-11-25T10:00:00+00:00"))
+    eff = table_efficiency(table, "attention", shape, "bfloat16", "bwd")
+    assert eff == (0.75, "h100.csv: attention 8x2048x16x128xTrue bfloat16 bwd (end to end), 2026-11-25")
+    # kernel-only timing at the same shape wins over a newer end-to-end row; a nearer shape over both
+    results.append(table, _pct_rows({(8, 2048): 90.0}, metric="kernel_pct_roof", timestamp="2026-11-20T10:00:00Z"))
+    assert table_efficiency(table, "attention", shape, "bfloat16", "fwd") == (
+        0.9, "h100.csv: attention 8x2048x16x128xTrue bfloat16 fwd (kernels), 2026-11-20")
+    results.append(table, _pct_rows({(4, 2048): 30.0}, timestamp="2026-11-19T10:00:00Z"))
+    assert table_efficiency(table, "attention", shape, "bfloat16", "fwd")[0] == 0.3
+
+
+def test_files_beside_the_table_do_not_change_a_projection(tmp_path):
+    results.append(tmp_path / "h100.csv", _pct_rows({(8, 2048): 50.0}))
+    before = analyze(_attention_trace(today_fwd=0.10, today_bwd=0.25), H100, tables=tmp_path).kernels
+    # an experiment committed beside it, in the old per-op JSON form, with a shorter name and another figure
+    rows = [{"op": "attention", "shape": "4x2048x16x128xTrue", "dtype": "bfloat16", "mode": m, "impl": "kernelkit",
+             "ms": 1.0, "pct_roof": 99.0, "kernel_ms": 0.5} for m in ("fwd", "bwd")]
+    for folder in (tmp_path / "h100", tmp_path / "h100" / "kernel-time", tmp_path):
+        folder.mkdir(exist_ok=True)
+        (folder / "a.json").write_text(json.dumps({"env": {"time": "2026-11-26T00:00:00Z"}, "rows": rows}))
+    (tmp_path / "h100-experiment.csv").write_text((tmp_path / "h100.csv").read_text().replace(",50,", ",99,"))
+    after = analyze(_attention_trace(today_fwd=0.10, today_bwd=0.25), H100, tables=tmp_path).kernels
+    assert after == before and before[0]["projection"] == "table" and "50% of roof" in before[0]["projection_source"]
 
 
 def test_predicted_mode_says_where_each_projection_comes_from():
@@ -248,7 +285,8 @@ def test_predicted_mode_says_where_each_projection_comes_from():
     model, inputs = build_example("llama", device="meta", tiny=False)
     rep = profile(model, inputs, gpu="h100")
     kernels = {k["kernel"]: k for k in rep.kernels}
-    assert kernels["rms_norm"]["projection"] in ("table", "roofline") and kernels["rms_norm"]["recommended"]
+    assert kernels["rms_norm"]["recommended"] and kernels["rms_norm"]["projection"] == "table"
+    assert "of roof in h100.csv: rms_norm " in kernels["rms_norm"]["projection_source"]  # the committed table
     assert not kernels["attention"]["recommended"]  # at its floor flash attention beats any kernel below the roof
     assert rep.assumptions["projection"].startswith("kernelkit timed on this GPU")
     text = "\n".join(rep.findings)

@@ -104,6 +104,8 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes"),
           kernel_time: bool = typer.Option(False, help="also record each call's summed kernel time from the "
                                                        "profiler (GPU side, host time excluded)"),
+          table: bool = typer.Option(True, help="append the rows to the GPU's results table, "
+                                                "benchmarks/results/<gpu>.csv, in a source checkout"),
           example: str = typer.Option("llama", help="bench model: built-in config (llama: Llama-3-8B's layer shapes)"),
           config: Optional[Path] = typer.Option(None, help="bench model: a Hugging Face config.json instead"),
           layers: Optional[int] = typer.Option(2, help="bench model: decoder layers (default 2; 0 keeps the config's)"),
@@ -140,7 +142,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
 
     from .hw import measure_ceilings
     from .ops import registry
-    from .testing.bench import plot, print_table, write_json
+    from .testing.bench import append_to_table, plot, print_table, write_json
     from .testing.suite import run_suite
 
     if not torch.cuda.is_available():
@@ -169,6 +171,8 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         plot(big, out / f"{name}.png", metric="tflops" if compute else "gbps",
              ceiling=None if compute else ceilings.copy_gbps, title=f"{name} {dtype} on {ceilings.gpu}")
         console.print(f"wrote {path} and {path.with_suffix('.png')}")
+        if table and (csv := append_to_table(rows, ceilings)):
+            console.print(f"appended to {csv}")
     if msg := tuning():
         console.print(msg)
 

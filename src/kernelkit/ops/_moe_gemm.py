@@ -92,7 +92,7 @@ def _epilogue(acc, acc_up, rows, rows64, m_ok, a_rows, rn64, n_ok, pid_n, e, C, 
         acc = acc * tl.sigmoid(acc) * acc_up
     elif EPILOGUE == "swiglu_bwd":
         # In two column halves: the whole tile's gate, up, sigmoid and products at once spill registers (128-wide
-        # tiles ran at 40% of the forward GEMM's speed: benchmarks/results/h100/moe/moe_dgrad_ab.json).
+        # tiles ran at 40% of the forward GEMM's speed: benchmarks/experiments/h100/moe/moe_dgrad_ab.json).
         HALF: tl.constexpr = BN // 2
         left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
         w = tl.load(SCALE + rows, mask=m_ok, other=0.0)[:, None]
@@ -319,7 +319,7 @@ def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r
     (E, K, N') (the dgrads), boxes past an expert's K or N' reading zeros. A's rows come sorted by expert through
     a 2-D descriptor over all rows (a tile that crosses its expert's end reads the next expert's rows, computed but
     not stored: m_ok), or with GATHER_A through pointer loads of the rows A_IDX names.
-    Measured on the H100 (benchmarks/results/h100/moe/moe_persistent_ab*.json): one tile per program over the
+    Measured on the H100 (benchmarks/experiments/h100/moe/moe_persistent_ab*.json): one tile per program over the
     upper-bound grid, a flattened tile loop, and the tile map as a table searched with scalar loads were all as
     fast or slower than this."""
     BK: tl.constexpr = 32 if SCALES != "" and BLOCK_K < 32 else BLOCK_K

@@ -101,7 +101,7 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
     rk64 = rk.to(tl.int64)
     a_ptrs = A + rm64[:, None] * stride_am + rk64[None, :] * stride_ak
     # nn.Linear's weight makes B K-contiguous (stride_bk = 1). Measured on the H100 (Triton 3.6, bf16, 4096^3,
-    # scripts/gemm_configs.py): this kernel reaches 0.70-0.72x of cuBLAS with it and 0.92x (706-719 TF/s,
+    # experiments/h100/gemm/gemm_configs.py): this kernel reaches 0.70-0.72x of cuBLAS with it and 0.92x (706-719 TF/s,
     # 128x256x64 tiles) with an N-contiguous B; loading the K-contiguous tile as (BLOCK_N, BLOCK_K) and
     # handing tl.trans(...) to the MMA changed nothing. The next step is TMA descriptors (the ladder's
     # persistent_tma rung).
@@ -153,7 +153,7 @@ def _tma_configs() -> list:
     # the PTX with and without it is identical (the persistent loop is flatten=True, and the pass wants 4 warps
     # and an unflattened loop; the split store also trips it). So the WS rows of the sweeps measured the same
     # kernel twice: their differences (e.g. 686-693 vs 680 TF/s at 8192x4096x14336) are run-to-run noise.
-    # Swept on the H100 (benchmarks/results/h100/gemm/gemm_configs-tma.json, bf16, no epilogue): 128x256x64
+    # Swept on the H100 (benchmarks/experiments/h100/gemm/gemm_configs-tma.json, bf16, no epilogue): 128x256x64
     # tiles are the best at every shape (716 TF/s at 4096^3, cuBLAS 769 in that run); the ladder's
     # warp_specialized rung has a kernel where the pass does take effect.
     for bm, bn, bk, stages, warps, sub, ws in ((128, 256, 64, 3, 8, False, False), (128, 256, 64, 4, 8, True, False),

@@ -14,7 +14,7 @@ design goal is GEMMs as large as memory allows. The one cost that grows with the
 dweight: each chunk's GEMM (K = the chunk's rows) re-reads and re-writes all of dweight, V·H elements.
 So a chunk is as many rows as fit ``MAX_CHUNK_BYTES`` of logits (see `chunk_rows`), not a fixed
 fraction of T as in Liger (whose default is T·H elements of logits: 256-row chunks here, 32 chunks).
-Measured on the H100 at T = 8192, H = 4096, V = 128256 bf16, forward + backward (results/h100/
+Measured on the H100 at T = 8192, H = 4096, V = 128256 bf16, forward + backward (experiments/h100/linear_cross_entropy/
 linear_cross_entropy.json): 2048-row chunks (the 512 MiB default) 38.1 ms, 678 TFLOP/s, 1.53 GiB
 beyond the inputs (1.04 of it the gradients themselves); 1024 rows 40.9 ms / 1.29 GiB; 512 rows
 46.7 ms / 1.16 GiB; 4096 rows 39.0 ms / 2.02 GiB; the three GEMMs alone on materialized logits 37.0

@@ -427,7 +427,7 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     faster. Independent of `precision`. It pays when the weights' quantized copies are kept
     (`keep_quantized_weights`: frozen experts, or the micro-batches of a gradient accumulation): made every
     backward, the transposed copies cost about what the fp8 dgrads save at Mixtral's expert sizes and more at
-    finer-grained experts (README, benchmarks/results/h100/moe/moe-fp8-bwd-layers.json).
+    finer-grained experts (README, benchmarks/experiments/h100/moe/moe-fp8-bwd-layers.json).
 
     Inside `keep_quantized_weights()` the weights' quantized copies (forward and transposed) are reused across
     calls while the weights are unchanged.

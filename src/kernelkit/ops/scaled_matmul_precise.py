@@ -3,7 +3,7 @@
 Hopper's fp8 wgmma sums in fewer bits than fp32 (DeepSeek-V3 measured ~14), so a precise fp8 GEMM (torch's
 ``use_fast_accum=False``) adds each 128-deep K tile's partial product to an fp32 accumulator on the CUDA cores,
 as cuBLAS does (at K = 16384 its error and this kernel's agree to four digits). What was measured on the H100
-(`benchmarks/results/h100/scaled_matmul/`):
+(`benchmarks/experiments/h100/scaled_matmul/`):
   - plain Triton, every promotion scheme (per tile, Triton's max_num_imprecise_acc, every 256 of K, one step
     late; 1 or 2 programs per SM): 0.72-0.79x torch._scaled_mm. The add waits for the MMA it reads and the
     next MMA for the add, and the two warpgroups of a CTA step together, so the tensor cores idle during
@@ -41,7 +41,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile,
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 = 64,512 of an SM's
 # 65,536 (with 232 the 1x128-with-128x1 variant spilled; the producer only computes coordinates)
 STAGES = 5  # 32 KiB of a and b per stage (+ 32-64 KiB of C tiles: 5 fit in 227 KiB); on the H100 at 4096^3,
-# 3 / 4 / 5 stages gave 1097 / 1206 / 1239 TFLOP/s (benchmarks/results/h100/scaled_matmul/fp8_gluon_ws.json)
+# 3 / 4 / 5 stages gave 1097 / 1206 / 1239 TFLOP/s (benchmarks/experiments/h100/scaled_matmul/fp8_gluon_ws.json)
 GROUP_M = 8
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
               torch.float16: gl.float16, torch.float32: gl.float32}

@@ -5,8 +5,9 @@ A recommendation is a projection: today's time of the calls a registry op replac
 kernelkit's implementation takes for the same work. That time comes from, in order:
 1. "timed": kernelkit's implementation run on this GPU at the call's shape during `profile`
    (`time_kernelkit`: device time of its kernels from torch.profiler, host time excluded, as the trace's);
-2. "table": the efficiency (% of roof) kernelkit measured at the nearest shape of the committed benchmark
-   results for this GPU (benchmarks/results/<gpu>/<op>*.json), applied to the floor at the call's shape;
+2. "table": the efficiency (% of roof) kernelkit measured at the nearest shape in the results table of this
+   GPU (benchmarks/results/<gpu>.csv, testing.results: the newest row of each key), applied to the floor at
+   the call's shape;
 3. "roofline": the assumption that the kernel reaches ROOFLINE_EFFICIENCY (90%) of the fused floor.
 The report names which one each projection used; a kernel slower than what runs today is not recommended.
 
@@ -18,18 +19,20 @@ SDPA call and whether it was causal.
 
 from __future__ import annotations
 
-import json
 import math
 from functools import lru_cache
 from pathlib import Path
 
 from ..hw.ceilings import Ceilings
+from ..ops import registry
 from ..roofline.model import Cost, place
-from .costs import attention_flops
+from ..testing import results
+from ..testing.bench import kernel_time_ms
+from .costs import attention_flops, tensors
 from .trace import OpRecord
 
 ROOFLINE_EFFICIENCY = 0.9
-RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"  # in a source checkout
+RESULTS = results.RESULTS  # the folder of per-GPU results tables, in a source checkout
 
 # The kernelkit.patch switch (keyword of kernelkit.patch) that puts each registry op into a Hugging Face model.
 PATCH_SWITCH = {"rms_norm": "rms_norm", "swiglu": "mlp", "geglu": "mlp", "rope": "rope", "attention": "attention",
@@ -91,8 +94,6 @@ def call_shape(op: str, spec, run: list[OpRecord]) -> tuple[tuple, str] | None:
 def kernel_ms(fn, reps: int = 10) -> float | None:
     """Mean summed device time of the kernels one call of `fn` launches, L2 flushed before each call
     (testing.bench.kernel_time_ms)."""
-    from ..testing.bench import kernel_time_ms
-
     return kernel_time_ms(fn, reps)
 
 
@@ -101,8 +102,6 @@ def time_kernelkit(spec, shape: tuple, dtype: str, phases, reps: int = 10) -> di
     kernels torch.profiler records (L2 flushed before each call); {"error": why} when it cannot run.
     The forward runs with the gradient inputs requiring grad, as in a training step."""
     import torch
-
-    from .costs import tensors
 
     try:
         args, kwargs = spec.make_inputs(shape, getattr(torch, dtype), "cuda")
@@ -128,7 +127,6 @@ def time_kernelkit(spec, shape: tuple, dtype: str, phases, reps: int = 10) -> di
 
 def time_calls(trace, reps: int = 10) -> dict:
     """Time kernelkit at every (op, shape, dtype) the trace's registry candidates would call it with."""
-    from ..ops import registry
     from .analysis import kernel_calls
 
     specs = registry.all_ops()
@@ -138,33 +136,20 @@ def time_calls(trace, reps: int = 10) -> dict:
     return out
 
 
-# --- the committed benchmark tables ---
+# --- the committed results table ---
 
-def results_dir(gpu: str, root: Path | None = RESULTS) -> Path | None:
-    """benchmarks/results/<dir> whose name is part of the GPU's name ("h100" in "NVIDIA H100 80GB HBM3")."""
-    if root is None or not Path(root).is_dir():
+def results_table(gpu: str, root: Path | None = RESULTS) -> Path | None:
+    """The results table of this GPU, <root>/<gpu>.csv ("h100.csv" for "NVIDIA H100 80GB HBM3"), if there is one."""
+    if root is None:
         return None
-    name = gpu.lower().replace(" ", "").replace("-", "")
-    for d in sorted(Path(root).iterdir()):
-        if d.is_dir() and d.name.lower().replace("-", "") in name:
-            return d
-    return None
+    path = results.table_path(gpu, root)
+    return path if path.is_file() else None
 
 
 @lru_cache(maxsize=8)
-def _table_rows(folder: str) -> tuple:
-    rows = []
-    for path in sorted(Path(folder).glob("*.json")) + sorted(Path(folder).glob("kernel-time/*.json")):
-        if path.name.endswith(".configs.json"):
-            continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
-            rel = path.relative_to(Path(folder).parent)  # "h100/attention-d128.json"
-            rows += [dict(r, file=str(rel)) for r in doc["rows"] if isinstance(r, dict)]
-    return tuple(rows)
+def _table_rows(path: str, mtime_ns: int) -> tuple:
+    """kernelkit's % of roof rows, the newest of each key (end to end and kernels only)."""
+    return tuple(results.latest(results.read(path), impl="kernelkit", metric=("pct_roof", "kernel_pct_roof")))
 
 
 def _parse_shape(text: str) -> tuple:
@@ -174,31 +159,30 @@ def _parse_shape(text: str) -> tuple:
     return tuple(out)
 
 
-def table_efficiency(folder: Path | None, op: str, shape: tuple, dtype: str, phase: str) -> tuple[float, str] | None:
-    """(kernelkit's fraction of the roof, where it comes from) at the nearest benchmarked shape: the same
-    rank and flags (causal), the smallest summed log-ratio of the sizes; kernel-only timings preferred."""
-    if folder is None:
+def table_efficiency(table: Path | None, op: str, shape: tuple, dtype: str, phase: str) -> tuple[float, str] | None:
+    """(kernelkit's fraction of the roof, the row it comes from) at the nearest benchmarked shape: the same
+    rank and flags (causal), the smallest summed log-ratio of the sizes; then the same dtype, kernel-only
+    timings (the trace times today's calls by their kernels), the newest row."""
+    if table is None:
         return None
+    table = Path(table)
     best = None
-    for r in _table_rows(str(folder)):
-        if r.get("op") != op or r.get("impl") != "kernelkit" or r.get("mode") != phase or not r.get("pct_roof"):
+    for r in _table_rows(str(table), table.stat().st_mtime_ns):
+        if r["op"] != op or r["mode"] != phase or r["value"] <= 0:
             continue
-        theirs = _parse_shape(r.get("shape", ""))
+        theirs = _parse_shape(r["shape"])
         if len(theirs) > len(shape) or len(theirs) < min(len(shape), 2):
             continue  # a shorter table shape leaves trailing arguments at their defaults (attention's GQA heads)
         flags = [(a, b) for a, b in zip(theirs, shape) if isinstance(a, bool) or isinstance(b, bool)]
         sizes = [(a, b) for a, b in zip(theirs, shape) if not (isinstance(a, bool) or isinstance(b, bool))]
         if any(a != b for a, b in flags) or not all(isinstance(a, int) and a > 0 and b > 0 for a, b in sizes):
             continue
-        eff = r["pct_roof"] / 100.0
-        if r.get("kernel_ms") and r.get("ms"):
-            eff *= r["ms"] / r["kernel_ms"]  # the kernels alone, as the trace times today's calls
-        # nearest size first; then the same dtype, kernel-only timings, and the plainest file (attention-d128.json
-        # before an experiment's attention-d128-separate-dq.json)
         dist = (len(shape) - len(theirs), round(sum(abs(math.log(a / b)) for a, b in sizes), 6),
-                r.get("dtype") != dtype, not r.get("kernel_ms"), len(r["file"]))
+                r["dtype"] != dtype, r["metric"] != "kernel_pct_roof", -results.parse_time(r["timestamp"]).timestamp())
         if best is None or dist < best[0]:
-            best = (dist, eff, f"{r['file']} at {r['shape']} {r.get('dtype', '')}".rstrip())
+            kind = "kernels" if r["metric"] == "kernel_pct_roof" else "end to end"
+            best = (dist, r["value"] / 100.0, f"{table.name}: {op} {r['shape']} {r['dtype']} {r['mode']} ({kind}), "
+                                              f"{r['timestamp'][:10]}")
     return None if best is None else (min(best[1], 1.0), best[2])
 
 
@@ -218,10 +202,8 @@ class Projector:
     """kernelkit's time for a unit of replaced calls, and which source gave it."""
 
     def __init__(self, ceilings: Ceilings, kernel_times: dict | None, tables: Path | None):
-        from ..ops import registry
-
         self.ceilings, self.times = ceilings, kernel_times or {}
-        self.folder = results_dir(ceilings.gpu, tables) if tables is not None else None
+        self.table = results_table(ceilings.gpu, tables)
         self.specs = registry.all_ops()
 
     def ms(self, op: str, shape_dtype: tuple | None, phase: str, calls: float, fused_floor_ms: float
@@ -233,7 +215,7 @@ class Projector:
             timed = self.times.get(shape_key(op, shape, dtype), {})
             if timed.get(phase):
                 return timed[phase] * calls, "timed", f"timed on this GPU at {'x'.join(map(str, shape))} {dtype}"
-            eff = table_efficiency(self.folder, op, shape, dtype, phase)
+            eff = table_efficiency(self.table, op, shape, dtype, phase)
             floor = floor_at(spec, shape, dtype, phase, self.ceilings)
             if eff is not None and floor:
                 return floor / eff[0] * calls, "table", f"{eff[0]:.0%} of roof in {eff[1]}"

@@ -11,13 +11,15 @@ import itertools
 import json
 import math
 import platform
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..hw.ceilings import Ceilings
+from ..hw.ceilings import Ceilings, device_fingerprint
 from ..roofline.model import Cost, place
+from . import results
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Row:
     # Where `ms` is well above it, the call is host-bound: Python, launches and autograd outrun the GPU.
     kernel_ms: float | None = None
     kernel_gbps: float | None = None
+    kernel_pct_roof: float | None = None  # roofline floor / kernel_ms, in %
 
 
 def time_ms(fn: Callable[[], Any], *, cuda_graph: bool = False, rep_ms: int = 100) -> float:
@@ -120,7 +123,9 @@ def compare(op: str, shape: str, dtype: str, mode: str, impls: dict[str, Callabl
             except Exception:  # noqa: BLE001 - the event timing stands on its own
                 kms = None
             if kms:
-                rows[-1].kernel_ms, rows[-1].kernel_gbps = kms, place(cost, ceilings, kms).achieved_gbps
+                kp = place(cost, ceilings, kms)
+                r = rows[-1]
+                r.kernel_ms, r.kernel_gbps, r.kernel_pct_roof = kms, kp.achieved_gbps, kp.pct_of_roof
     base = baseline or next(iter(impls))
     base_ms = next((r.ms for r in rows if r.impl == base and r.ms), None)
     for r in rows:
@@ -136,8 +141,6 @@ def env_fingerprint(ceilings: Ceilings | None = None) -> dict:
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if torch.cuda.is_available():
-        from ..hw.ceilings import device_fingerprint
-
         env.update(device_fingerprint())
     if ceilings is not None:
         env["ceilings"] = {"copy_gbps": ceilings.copy_gbps, "tflops": ceilings.tflops,
@@ -157,6 +160,45 @@ def write_json(rows: list[Row], path: str | Path, ceilings: Ceilings | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"env": env_fingerprint(ceilings), **extra, "rows": [asdict(r) for r in rows]}
     path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def git_commit(folder: str | Path = ".") -> str:
+    """`git rev-parse --short HEAD` of the checkout holding `folder`; '' outside one (or without git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def table_rows(rows: list[Row], env: dict, commit: str) -> list[dict]:
+    """The rows of a results table (testing.results) for bench rows: one per measured number; rows that
+    failed (an error, no time) have none."""
+    out = []
+    for r in rows:
+        if r.error or r.ms is None:
+            continue
+        for metric in results.METRICS:
+            value = getattr(r, metric)
+            if value is not None:
+                out.append({"op": r.op, "impl": r.impl, "shape": r.shape, "dtype": r.dtype, "mode": r.mode,
+                            "metric": metric, "value": float(value), "unit": results.METRICS[metric],
+                            "gpu": env["gpu"], "torch": env.get("torch", ""), "triton": env.get("triton", ""),
+                            "commit": commit, "timestamp": env["time"]})
+    return out
+
+
+def append_to_table(rows: list[Row], ceilings: Ceilings, root: str | Path | None = results.RESULTS) -> Path | None:
+    """Append the rows to the results table of the GPU they ran on, `<root>/<gpu>.csv` (testing.results), with
+    the checkout's commit and the time. None, writing nothing, where `root` is not a folder (an installed
+    package has no benchmarks/results)."""
+    if root is None or not Path(root).is_dir():
+        return None
+    env = {**env_fingerprint(), "gpu": ceilings.gpu}
+    path = results.table_path(ceilings.gpu, root)
+    results.append(path, table_rows(rows, env, git_commit(root)))
     return path
 
 

@@ -10,7 +10,7 @@ output has a gradient): dv = Pᵀ do, dk = scale dSᵀ q, dq = scale dS k (softc
   with atomics (a TMA reduce on sm_90+): 5 matmuls per tile.
 - `deterministic=True`: no atomics; a second kernel recomputes P and dP per query block and owns its
   dq rows (7 matmuls per tile, bitwise reproducible).
-- Measured on the H100 (benchmarks/results/h100/attention-d128.json, `kk-deterministic` row): at head
+- Measured on the H100 (benchmarks/results/h100.csv, `kk-deterministic` row): at head
   dim >= 128 and 1k keys or more the two-kernel path is as fast or faster (1.00-1.11x: no fp32 dq buffer
   to zero, no atomics, no cast), so it is taken there whatever `deterministic` says; the atomic path
   stays for smaller heads and short sequences, where it won. Head dims over 128 always take the

@@ -1,0 +1,75 @@
+"""Every file in scripts/ runs here (a tiny CPU case each), so a rename inside kernelkit cannot break one silently;
+a new script comes with its case below."""
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernelkit.testing import results
+from tests.conftest import INTERPRET
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+TESTED = {"gpu_check.sh", "host_time.py", "results_table.py"}
+
+
+def run_script(name: str, *argv: str) -> int:
+    """Run scripts/<name> as `python scripts/<name> argv...` would, in this process; its exit status."""
+    old = sys.argv
+    sys.argv = [str(SCRIPTS / name), *argv]
+    try:
+        runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+    except SystemExit as e:
+        return e.code or 0
+    finally:
+        sys.argv = old
+    return 0
+
+
+def test_every_script_has_a_case_here():
+    assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} == TESTED
+
+
+def test_gpu_check_parses_and_every_script_it_runs_exists():
+    subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_check.sh")], check=True)
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    paths = set(re.findall(r"\b((?:scripts|benchmarks)/[\w./-]+\.py)\b", text))
+    assert "scripts/host_time.py" in paths and "benchmarks/gemm.py" in paths
+    assert [p for p in sorted(paths) if not (SCRIPTS.parent / p).is_file()] == []
+
+
+def _row(impl, metric, value, unit, shape="16384x4096", timestamp="2026-11-23T12:00:00Z", op="rms_norm"):
+    return {"op": op, "impl": impl, "shape": shape, "dtype": "bfloat16", "mode": "fwd", "metric": metric,
+            "value": value, "unit": unit, "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+            "commit": "cc58d02", "timestamp": timestamp}
+
+
+def test_results_table_prints_markdown_from_the_newest_rows(tmp_path, capsys):
+    table = tmp_path / "h100.csv"
+    results.append(table, [_row("kernelkit", "ms", 0.1, "ms"), _row("eager", "ms", 0.25, "ms"),
+                           _row("kernelkit", "ms", 0.5, "ms", timestamp="2026-11-20T12:00:00Z"),  # older
+                           _row("kernelkit", "gbps", 2000.0, "GB/s"), _row("eager", "gbps", 800.0, "GB/s"),
+                           _row("kernelkit", "pct_roof", 66.2, "%"),
+                           _row("kernelkit", "tflops", 400.0, "TFLOP/s", op="attention", shape="1x4096x16x128"),
+                           _row("kernelkit", "gbps", 30.0, "GB/s", op="attention", shape="1x4096x16x128")])
+    assert run_script("results_table.py", str(table), "--op", "rms_norm") == 0
+    out = capsys.readouterr().out
+    assert "| shape | mode | kernelkit GB/s | eager GB/s | kernelkit % roof | vs eager |" in out
+    assert "| 16384x4096 | fwd | 2000 | 800 | 66.2 | 2.50x |" in out and "attention" not in out
+    assert "NVIDIA H100 80GB HBM3, torch 2.11.0, Triton 3.6.0; measured 2026-11-23 at cc58d02;" in out
+    assert run_script("results_table.py", str(table), "--op", "attention") == 0
+    assert "| 1x4096x16x128 | fwd | 400.0 | — |" in capsys.readouterr().out  # above the ridge: TFLOP/s
+    assert run_script("results_table.py", str(table), "--geomean", "--min-ms", "0.01") == 0
+    assert capsys.readouterr().out.strip() == "vs eager: geomean 2.500x over 1 rows"
+    assert run_script("results_table.py", str(table), "--op", "softmax") == 1
+    assert "no rows of softmax" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs kernelkit's kernels: TRITON_INTERPRET=1")
+def test_host_time_runs_an_op_on_the_interpreter(capsys):
+    assert run_script("host_time.py", "rms_norm", "--device", "cpu", "--calls", "1", "--repeats", "1") == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"== rms_norm \(2, 3, 129\) fwd [\d.]+ us, fwd\+grad-record [\d.]+ us, bwd [\d.]+ us", line)
