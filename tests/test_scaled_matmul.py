@@ -243,6 +243,67 @@ def test_hopper_tiles_and_tma_compile_for_sm90(device, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+# --- one tensorwise scale, spelled () (torch.tensor(1.0), as torch's docs write it), (1,) or (1, 1) ---
+
+TENSORWISE_FORMS = {"()": (), "(1,)": (1,), "(1, 1)": (1, 1)}
+
+
+def _tensorwise_forms(device):
+    """a, b and {form: (scale_a, scale_b)}: the same scale values in each spelling; sizes TMA-aligned (40 x 208 x
+    48: descriptor strides of 16 bytes) with partial tiles."""
+    a, b, sa, sb = _quantized(40, 208, 48, "tensorwise", device=device)
+    return a, b, {name: (sa.reshape(shape), sb.reshape(shape)) for name, shape in TENSORWISE_FORMS.items()}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="records launches through the Triton interpreter")
+@pytest.mark.parametrize("fast", [False, True])
+def test_every_tensorwise_scale_form_launches_alike(fast, device, monkeypatch):
+    # The 2026-11-25 audit timed a 0-dim scale at 0.55x torch._scaled_mm at 4096^3, rowwise at 1.01x. Each spelling
+    # must launch the same kernel with the same arguments, tile configuration and autotuning key (the GPU tunes per
+    # key), and give the same bits; a rowwise scale launches differently, so the comparison can tell.
+    from kernelkit.testing import compile_check
+
+    monkeypatch.setattr(S, "USE_TMA", True)
+    keys = []
+    real_launch = S.launch
+    monkeypatch.setattr(S, "launch", lambda kernel, grid, key, *args, **kw: (
+        keys.append(key), real_launch(kernel, grid, key, *args, **kw))[1])
+    a, b, forms = _tensorwise_forms(device)
+    ra, rb, rsa, rsb = _quantized(40, 208, 48, "rowwise", device=device)
+    launches, outs = {}, {}
+    for name, (x, w, sa, sb) in [*((n, (a, b, *f)) for n, f in forms.items()), ("rowwise", (ra, rb, rsa, rsb))]:
+        records = []
+        with compile_check.record_launches(records):
+            outs[name] = S.scaled_matmul(x, w, sa, sb, out_dtype=torch.float32, use_fast_accum=fast)
+        assert [r["kernel"] for r in records] == ["kernelkit.ops.scaled_matmul:scaled_matmul_kernel"]
+        launches[name] = (records, keys[-1])
+    args = launches["()"][0][0]["args"]
+    assert args["A_GROUP"]["value"] == args["B_GROUP"]["value"] == 0 and args["USE_TMA"]["value"]
+    assert launches["(1,)"] == launches["()"] and launches["(1, 1)"] == launches["()"]
+    assert launches["rowwise"] != launches["()"]
+    for name, (sa, sb) in forms.items():
+        assert torch.equal(outs[name], outs["()"]), name
+        _run(a, b, sa, sb, "tensorwise", out_dtype=torch.float32, use_fast_accum=fast)
+
+
+def test_every_tensorwise_scale_form_takes_the_gluon_kernel_in_precise_mode(device, monkeypatch):
+    # On Hopper precise calls go to the warp-specialized Gluon kernel (0.90-0.96x torch._scaled_mm; the Triton
+    # kernel 0.67-0.76x). The choice is host code: with the Hopper check faked, every spelling must reach it with
+    # the same scaling arguments and never the Triton kernel.
+    if S._precise is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(S, "USE_TMA", True)
+    monkeypatch.setattr(S._precise, "supports", lambda a, b, out_dtype: True)
+    calls = []
+    monkeypatch.setattr(S._precise, "launch_precise", lambda a, b, out, sa, sb, bias, a_scaling, b_scaling, programs:
+                        calls.append((a_scaling, b_scaling)))
+    monkeypatch.setattr(S, "launch", lambda *args, **kw: pytest.fail("the Triton kernel was launched"))
+    a, b, forms = _tensorwise_forms(device)
+    for sa, sb in forms.values():
+        S.scaled_matmul(a, b, sa, sb)
+    assert calls == [((0, 0, 0, False), (0, 0, 0, False))] * 3
+
+
 # --- GPU only: against cuBLAS, specials, and the tensor cores' accumulation ---
 
 def _cuda_fp8():

@@ -207,11 +207,11 @@ def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
 # products, each in both layouts a model runs: "NT" is x @ W.T (F.linear's forward: b the transpose of a
 # row-major (n, k) weight), "NN" a @ b with b row-major (k, n) (the input gradient). A profiled GEMM must not
 # read above 100% of a roof measured at an easier shape or in a slower way. On the H100 six shapes timed as
-# 300 ms medians of back-to-back calls gave bf16 683-738 TF/s (results/h100/doctor.json), while in a profile
-# of the llama example the same LM-head GEMMs ran at 775-844 (results/h100/profile-llama). The likely cause is
-# power: a long run of GEMMs on random data holds the card at its power limit, at lower clocks, where one GEMM
-# between a model's other ops starts from a cooler chip. So each product is timed as a short burst whose
-# fastest call counts (`_best_ms`), and the details keep every case's figure.
+# 300 ms medians of back-to-back calls gave bf16 683-738 TF/s (benchmarks/results/h100/doctor.json), while
+# in a profile of the llama example the same LM-head GEMMs ran at 775-844 (experiments/h100/profile-llama).
+# The cause is likely power: a long run of GEMMs on random data holds the card at its power limit, at lower
+# clocks, where one GEMM between a model's other ops starts from a cooler chip. So each product is timed as a
+# short burst whose fastest call counts (`_best_ms`), and the details keep every case's figure.
 MATMUL_SHAPES = (  # (m, n, k), the most telling first (a dtype's time budget may cut the tail)
     (8192, 128256, 4096),  # Llama-3's LM head: 8192 tokens x 128256 vocabulary x 4096 hidden
     (128256, 4096, 8192),  # its weight gradient: vocabulary x hidden, summed over the tokens

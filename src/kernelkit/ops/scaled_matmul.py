@@ -5,7 +5,7 @@ float8_e5m2, float32 *dequantization* scales, a bias (N,), a bf16/fp16/fp32 outp
 read off its shape:
 
   scale_a                     scale_b                     recipe (Kb = ceil(K/128))
-  () or (1,)                  () or (1,)                  tensorwise: one scale per operand
+  (), (1,) or (1, 1)          (), (1,) or (1, 1)          tensorwise: one scale per operand
   (M, 1)                      (1, N)                      rowwise: one per row of a, one per column of b
   (M, Kb)                     (Kb, N)                     1x128 blocks of a (DeepSeek-V3's activations), 128x1 of b
   (ceil(M/128), Kb)           (Kb, ceil(N/128))           128x128 blocks (DeepSeek-V3's weights)
@@ -337,8 +337,9 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     a: (M, K), b: (K, N), each float8_e4m3fn or float8_e5m2 (they may differ), any strides (torch._scaled_mm's
     b is column-major: ``w.t()`` of a (N, K) weight). scale_a, scale_b: float32 dequantization scale tensors
     (not Python or numpy numbers, which torch._scaled_mm refuses too) whose shapes pick the recipe per side:
-    () or (1,) tensorwise; (M, 1) / (1, N) rowwise; (M, ceil(K/128)) 1x128 blocks of a and (ceil(K/128),
-    ceil(N/128)) 128x128 blocks of b (DeepSeek-V3), or (ceil(M/128), ceil(K/128)) / (ceil(K/128), N).
+    (), (1,) or (1, 1) tensorwise (the same launch for the three); (M, 1) / (1, N) rowwise; (M, ceil(K/128))
+    1x128 blocks of a and (ceil(K/128), ceil(N/128)) 128x128 blocks of b (DeepSeek-V3), or (ceil(M/128),
+    ceil(K/128)) / (ceil(K/128), N).
     bias: (N,) float32, bfloat16 or float16, added in fp32. out_dtype: bfloat16 (default), float16 or float32.
     use_fast_accum, a bool (numpy's bool too), as torch's: True leaves the tensor cores' sums in their
     reduced precision across all of K (faster); block-scaled calls promote them every 128 of K anyway.
