@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernelkit.ops.linear_cross_entropy as lce
@@ -54,6 +55,69 @@ def test_each_feature_over_several_chunks(feature, dtype, device):
     kw = FEATURES[feature]
     x, w, t, b = _inputs(29, 24, 257, device, dtype, ignore_index=kw.get("ignore_index", -100), bias=True)
     _check(x, w, t, b, chunk_size=8, **kw).raise_if_failed()
+
+
+def _weighted_fp64(x, w, t, b, cw, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0):
+    """torch's weighted cross-entropy in float64, written out: 'mean' is sum(w_y * loss) / sum(w_y) over the
+    non-ignored tokens; z-loss (z * lse², as kernelkit adds it) weighted by w_y like the rest of the token's loss."""
+    logits = F.linear(*(a.double() if a is not None else None for a in (x, w, b)))
+    loss = F.cross_entropy(logits, t, weight=cw.double(), ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    w_y = torch.where(valid, cw.double()[t.clamp(0, cw.numel() - 1)], 0.0)
+    loss = loss + torch.where(valid, z_loss * torch.logsumexp(logits, -1).square() * w_y, 0.0)
+    if reduction == "none":
+        return loss
+    return loss.sum() / w_y.sum() if reduction == "mean" else loss.sum()
+
+
+WEIGHTED = [("mean", {}), ("mean", {"label_smoothing": 0.1, "z_loss": 1e-2}), ("sum", {"label_smoothing": 0.1}),
+            ("none", {"z_loss": 1e-2}), ("none", {"label_smoothing": 0.2, "softcap": 4.0})]
+
+
+# Every case in fp32; bf16 and fp16 (dlogits carry FP16_GRAD_SCALE) with 'mean' and 'none' (the interpreter is slow).
+WEIGHTED_CASES = [(c, torch.float32) for c in range(len(WEIGHTED))] + \
+    [(c, dt) for dt in (torch.bfloat16, torch.float16) for c in (1, 3)]
+
+
+@pytest.mark.parametrize("case,dtype", WEIGHTED_CASES)
+def test_class_weights_match_torch(case, dtype, device):
+    # ce_weight: F.cross_entropy's weight, under Liger's name. T = 29 in chunks of 8, a fifth of the tokens ignored.
+    reduction, kw = WEIGHTED[case]
+    x, w, t, b = _inputs(29, 24, 257, device, dtype, ignore_index=5, bias=True)
+    t[::5] = 5
+    cw = torch.rand(257, device=device) * 2 + 0.1
+    params = [a.requires_grad_() for a in (x, w, b)]
+    loss = linear_cross_entropy(x, w, t, b, ce_weight=cw, ignore_index=5, reduction=reduction, chunk_size=8, **kw)
+    dy = torch.randn(loss.shape, device=device) if reduction == "none" else torch.tensor(1.7, device=device)
+    got = torch.autograd.grad(loss, params, dy)
+    xr, wr, br = refs = [a.detach().double().requires_grad_() for a in params]
+    if "softcap" in kw:  # the written-out formula has no softcap: the module's reference does
+        ref = reference(xr, wr, t, br, ce_weight=cw.double(), ignore_index=5, reduction=reduction, **kw)
+    else:
+        ref = _weighted_fp64(xr, wr, t, br, cw, ignore_index=5, reduction=reduction, **kw)
+    want = torch.autograd.grad(ref, refs, dy.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert loss.dtype == torch.float32 and rel_error(loss, ref) < max(tol, 1e-5), rel_error(loss, ref)
+    for name, g, r in zip(("dhidden", "dweight", "dbias"), got, want):
+        assert g.dtype == dtype and rel_error(g, r) < tol, (name, rel_error(g, r))
+    # The harness too: poisoned outputs, its own random grad_output, run twice.
+    if dtype == torch.float32:
+        _check(x, w, t, b, ce_weight=cw, ignore_index=5, reduction=reduction, chunk_size=8, **kw).raise_if_failed()
+
+
+def test_class_weights_change_the_loss_and_the_module_keeps_them(device):
+    # Uniform weights c give the unweighted loss ('mean' divides c out); a weight on one class moves it.
+    x, w, t, _ = _inputs(19, 16, 60, device)
+    plain = linear_cross_entropy(x, w, t, chunk_size=6)
+    torch.testing.assert_close(linear_cross_entropy(x, w, t, ce_weight=torch.full((60,), 3.0, device=device),
+                                                    chunk_size=6), plain, rtol=1e-6, atol=0)
+    cw = torch.ones(60, device=device)
+    cw[t[0]] = 5.0
+    assert not torch.allclose(linear_cross_entropy(x, w, t, ce_weight=cw), plain)
+    mod = LinearCrossEntropyLoss(ce_weight=cw.cpu(), chunk_size=6).to(device)
+    assert mod.ce_weight.device == x.device and "ce_weight" in mod.state_dict() and not list(mod.parameters())
+    torch.testing.assert_close(mod(x, w, t), reference(x, w, t, ce_weight=cw), rtol=1e-5, atol=1e-6)
 
 
 def test_dweight_accumulation_paths(device, monkeypatch):
@@ -289,10 +353,17 @@ def _bad_inputs(device):
         (dict(z_loss=-1.0), ValueError, "z_loss must be"),
         (dict(ignore_index=1.0), TypeError, "ignore_index must be an int"),
         (dict(chunk_size=0), ValueError, "chunk_size must be"),
+        (dict(hidden=torch.randn(4, 0), weight=torch.randn(10, 0)), ValueError, r"last dim \(H, the features"),
+        (dict(hidden=torch.randn(0, 0), weight=torch.randn(10, 0), target=torch.zeros(0, dtype=torch.long)),
+         ValueError, "pass hidden states with H >= 1"),
+        (dict(ce_weight=torch.ones(9)), ValueError, r"ce_weight must have shape \(10,\)"),
+        (dict(ce_weight=torch.ones(10, dtype=torch.int64)), TypeError, "ce_weight has dtype int64"),
+        (dict(ce_weight=[1.0] * 10), TypeError, "ce_weight must be a torch.Tensor"),
+        (dict(ce_weight=torch.ones(10, requires_grad=True)), ValueError, "class weights get no gradient"),
     ]
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(24))
 def test_bad_input_names_the_argument(case, device):
     bad, exc, match = _bad_inputs(device)[case]
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long))
@@ -314,6 +385,8 @@ def test_devices_must_match(device):
         linear_cross_entropy(x, w.to(other), t)
     with pytest.raises(ValueError, match=f"target is on {other}"):
         linear_cross_entropy(x, w, t.to(other))
+    with pytest.raises(ValueError, match=f"ce_weight is on {other}"):
+        linear_cross_entropy(x, w, t, ce_weight=torch.ones(10, device=other))
 
 
 def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
@@ -346,33 +419,38 @@ def test_module(device, monkeypatch):
 
 def test_custom_ops_and_compile_without_graph_breaks(device):
     x, w, t, b = _inputs(13, 8, 40, device, bias=True)
-    cases = (("mean", (True, True, True)), ("none", (False, False, False)), ("sum", (False, True, False)))
+    cw = torch.rand(40, device=device) + 0.5
+    cases = (("mean", (True, True, True), None), ("none", (False, False, False), cw), ("sum", (False, True, False), cw))
     for dtype in (torch.float32, torch.bfloat16):  # the fake's fp32 loss and lse are told apart in bf16
-        for red, need in cases:
+        for red, need, ce_weight in cases:
             torch.library.opcheck(torch.ops.kernelkit.linear_cross_entropy.default,
-                                  (*(a.to(dtype) for a in (x, w)), t, b.to(dtype), -100, 0.1, 1e-3, 4.0, red, 6, *need),
-                                  test_utils=("test_schema", "test_faketensor"))
+                                  (*(a.to(dtype) for a in (x, w)), t, b.to(dtype), ce_weight, -100, 0.1, 1e-3, 4.0, red,
+                                   6, *need), test_utils=("test_schema", "test_faketensor"))
     lse = torch.logsumexp(x @ w.t() + b, -1)
-    torch.library.opcheck(torch.ops.kernelkit.linear_cross_entropy_bwd.default,
-                          (torch.randn(13, device=device), x, w, t, b, lse, -100, 0.1, 0.0, None, 6, True, True, True),
-                          test_utils=("test_schema", "test_faketensor"))
-    for red in ("mean", "none"):
+    for ce_weight in (None, cw):
+        torch.library.opcheck(torch.ops.kernelkit.linear_cross_entropy_bwd.default,
+                              (torch.randn(13, device=device), x, w, t, b, ce_weight, lse, -100, 0.1, 0.0, None, 6, True,
+                               True, True), test_utils=("test_schema", "test_faketensor"))
+    for red, ce_weight in (("mean", None), ("none", None), ("mean", cw)):
         args = [a.detach().requires_grad_() for a in (x, w)]
-        out = compile_as_one_node(lambda h, ww: linear_cross_entropy(h, ww, t, b, reduction=red, chunk_size=6),
-                                  args, "linear_cross_entropy")
-        torch.testing.assert_close(out, reference(x, w, t, b, reduction=red), rtol=1e-5, atol=1e-6)
+        out = compile_as_one_node(lambda h, ww: linear_cross_entropy(h, ww, t, b, ce_weight=ce_weight, reduction=red,
+                                                                     chunk_size=6), args, "linear_cross_entropy")
+        torch.testing.assert_close(out, reference(x, w, t, b, ce_weight=ce_weight, reduction=red), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_compiled_gradients_match(device):
     x, w, t, _ = _inputs(11, 8, 30, device)
-    for red in ("mean", "none"):
+    cw = torch.rand(30, device=device) + 0.5
+    for red, ce_weight in (("mean", None), ("none", None), ("mean", cw), ("none", cw)):
         args = [a.detach().requires_grad_() for a in (x, w)]
-        f = torch.compile(lambda h, ww: linear_cross_entropy(h, ww, t, reduction=red, chunk_size=4),
+        f = torch.compile(lambda h, ww: linear_cross_entropy(h, ww, t, ce_weight=ce_weight, reduction=red,
+                                                             chunk_size=4),
                           backend=lambda gm, _: gm.forward, fullgraph=True)
         g = torch.linspace(-1, 2, 11, device=device) if red == "none" else torch.tensor(1.5, device=device)
         f(*args).backward(g)
         refs = [a.detach().double().requires_grad_() for a in (x, w)]
-        reference(*refs, t, reduction=red).backward(g.double())
+        reference(*refs, t, ce_weight=ce_weight, reduction=red).backward(g.double())
         for a, r in zip(args, refs):
             assert rel_error(a.grad, r.grad) < 1e-5
 

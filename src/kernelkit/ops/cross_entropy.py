@@ -303,16 +303,17 @@ def _check_target_values(target, v, ignore_index):
                              f"(and not ignore_index={ignore_index})")
 
 
-def _weights(weight, v):
+def class_weight_buffer(weight, v):
     """The class weights as the kernels read them: V fp32 values, then their sum (torch's smoothing
-    term needs it). A tiny copy, so any float dtype and layout of `weight` is taken."""
+    term needs it). A tiny copy, so any float dtype and layout of `weight` is taken. Shared with
+    ops/linear_cross_entropy.py, as are `mean_divisor` and `weight_launch_args`."""
     if weight is None:
         return None
     w = weight.detach().to(torch.float32)
     return torch.cat([w, w.sum().reshape(1)])
 
 
-def _count(t, wbuf, v, ignore_index):
+def mean_divisor(t, wbuf, v, ignore_index):
     """What 'mean' divides by: the non-ignored tokens, or (with class weights, as torch) their weights' sum."""
     valid = t != ignore_index
     if wbuf is None:
@@ -320,7 +321,7 @@ def _count(t, wbuf, v, ignore_index):
     return torch.where(valid, wbuf[torch.where(valid & (t >= 0) & (t < v), t, 0)], 0.0).sum()
 
 
-def _weight_kwargs(flags, wbuf):
+def weight_launch_args(flags, wbuf):
     # Only when weighted, so that an unweighted launch keeps the cache key that ops/linear_cross_entropy.py
     # shares and the lean launch path (a tensor passed by keyword takes Triton's own launch path).
     if wbuf is None:
@@ -346,18 +347,18 @@ def cross_entropy_fwd(logits, target, weight=None, ignore_index=-100, label_smoo
         ignore_index, label_smoothing, z_loss, softcap, reduction)
     n, v = logits.shape
     _check_target_values(target, v, ignore_index)
-    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), _weights(weight, v)
+    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), class_weight_buffer(weight, v)
     loss_rows = empty((n,), dtype=torch.float32, device=logits.device)
     lse = empty((n,), dtype=torch.float32, device=logits.device)
     z_rows = empty((n,), dtype=torch.float32, device=logits.device) if z_loss else None
     dlogits = empty((n, v), dtype=logits.dtype, device=logits.device) if grad_in_forward else logits.new_empty(0)
-    count = _count(t, wbuf, v, ignore_index) if reduction == "mean" else t
+    count = mean_divisor(t, wbuf, v, ignore_index) if reduction == "mean" else t
     if n:
         block, sms = _block_v(v), num_sms(logits.device)
         grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
         flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                      HAS_Z=bool(z_loss), COMPUTE_GRAD=bool(grad_in_forward), BLOCK_V=block)
-        weighted = _weight_kwargs(flags, wbuf)
+        weighted = weight_launch_args(flags, wbuf)
         launch(cross_entropy_fwd_kernel, grid, (v, logits.dtype, *flags.values()),
                x, t, count, loss_rows, z_rows if z_loss else loss_rows, lse, dlogits if grad_in_forward else x,
                x.stride(0), v, n, v, ignore_index, label_smoothing, z_loss, softcap or 1.0,
@@ -371,16 +372,16 @@ def cross_entropy_bwd(grad, logits, target, lse, weight=None, ignore_index=-100,
                       softcap=None, reduction="mean"):
     """The recompute backward: dlogits (N, V) in logits' dtype from the logits and the saved lse."""
     n, v = logits.shape
-    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), _weights(weight, v)
+    x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), class_weight_buffer(weight, v)
     dx = empty((n, v), dtype=logits.dtype, device=logits.device)
     if not dx.numel():
         return dx
-    count = _count(t, wbuf, v, ignore_index) if reduction == "mean" else t
+    count = mean_divisor(t, wbuf, v, ignore_index) if reduction == "mean" else t
     stride_g = grad.stride(0) if grad.dim() else 0
     block, sms = _block_v(v), num_sms(logits.device)
     grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
     flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
-    weighted = _weight_kwargs(flags, wbuf)
+    weighted = weight_launch_args(flags, wbuf)
     launch(cross_entropy_bwd_kernel, grid, (v, logits.dtype, grad.dtype, *flags.values()),
            x, t, lse, grad, count, dx, x.stride(0), v, stride_g, n, v, ignore_index, label_smoothing,
            2.0 * z_loss, softcap or 1.0, 1.0 / (softcap or 1.0), **flags, **weighted)

@@ -51,7 +51,9 @@ from ..testing.poison import empty
 from ..tune import cdiv, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._dispatch import profiled_call
-from .cross_entropy import MAX_BLOCK_V, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
+from .cross_entropy import (MAX_BLOCK_V, class_weight_buffer, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel,
+                            mean_divisor, weight_launch_args)
+from .cross_entropy import reference as cross_entropy_reference
 from .registry import OpSpec, optional_import, register
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -94,7 +96,7 @@ def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, ch
     return (*scalars, chunk_size)
 
 
-def _check_tensors(hidden, weight, target, bias):
+def _check_tensors(hidden, weight, target, bias, ce_weight=None):
     _validate.tensor(hidden, "hidden", min_dim=1)
     _validate.tensor(weight, "weight")
     if weight.dim() != 2:
@@ -103,6 +105,9 @@ def _check_tensors(hidden, weight, target, bias):
     if hidden.shape[-1] != h:
         raise ValueError(f"hidden's last dim is {hidden.shape[-1]} but weight is (V, H) = {tuple(weight.shape)}; "
                          f"pass the LM head's weight as stored by nn.Linear (out_features, in_features)")
+    if h == 0:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}: its last dim (H, the features the LM head "
+                         f"reads) is 0, so the logits would not depend on it; pass hidden states with H >= 1")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"hidden is {str(hidden.dtype)[6:]} but weight is {str(weight.dtype)[6:]}; cast one "
                         f"so both share a dtype (the GEMMs run in it)")
@@ -125,6 +130,12 @@ def _check_tensors(hidden, weight, target, bias):
     _validate.same_device(target, "target", hidden, "hidden")
     if v == 0 and target.numel():
         raise ValueError("weight has V = 0 rows (classes); cross-entropy needs at least one")
+    if ce_weight is not None:
+        _validate.tensor(ce_weight, "ce_weight")
+        if tuple(ce_weight.shape) != (v,):
+            raise ValueError(f"ce_weight must have shape ({v},), one weight per class of weight (V, H) = "
+                             f"{tuple(weight.shape)}, got {tuple(ce_weight.shape)}")
+        _validate.same_device(ce_weight, "ce_weight", hidden, "hidden")
 
 
 def _check_target_values(target, v, ignore_index):
@@ -175,13 +186,15 @@ def _launch_in_place(kernel, key, logits, run):
 
 
 def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index, label_smoothing, z_loss, softcap,
-                mean, compute_grad):  # mean with count = 2^-11 (a tensor): dlogits x 2^11 (fp16, see FP16_GRAD_SCALE)
+                mean, compute_grad, wbuf):  # mean with count = 2^-11 (a tensor): dlogits x 2^11 (fp16, FP16_GRAD_SCALE)
     """The cross-entropy forward kernel on one chunk of logits (rows, V): per-token fp32 loss and lse, and
-    with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean'."""
+    with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean'; wbuf: the class
+    weights (`class_weight_buffer`) or None."""
     v = logits.shape[1]
     block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
     flags = dict(MEAN=mean, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                  HAS_Z=bool(z_loss), COMPUTE_GRAD=compute_grad, BLOCK_V=block)
+    weighted = weight_launch_args(flags, wbuf)
     key = (v, logits.dtype, *flags.values())  # the key cross_entropy.py launches this kernel under
 
     def run(x):
@@ -189,7 +202,7 @@ def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index
         grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
         launch(cross_entropy_fwd_kernel, grid, key, x, target, count, loss_rows, z_rows, lse_rows, x,
                x.stride(0), x.stride(0), n, v, ignore_index, label_smoothing, z_loss, softcap or 1.0,
-               1.0 / (softcap or 1.0), **flags)
+               1.0 / (softcap or 1.0), **flags, **weighted)
 
     if compute_grad:
         _launch_in_place(cross_entropy_fwd_kernel, key, logits, run)
@@ -197,12 +210,14 @@ def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index
         run(logits)
 
 
-def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smoothing, z_loss, softcap, inv_scale=None):
+def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smoothing, z_loss, softcap, wbuf,
+                 inv_scale=None):
     """The cross-entropy backward kernel on one chunk: dlogits = per-token grad_output x dloss/dlogits,
     written over the (recomputed) logits; x 1 / inv_scale when given (a 0-dim fp32 tensor: fp16's scale)."""
     v = logits.shape[1]
     block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
     flags = dict(MEAN=inv_scale is not None, HAS_SOFTCAP=softcap is not None, HAS_Z=bool(z_loss), BLOCK_V=block)
+    weighted = weight_launch_args(flags, wbuf)
     key = (v, logits.dtype, grad_rows.dtype, *flags.values())
     stride_g = grad_rows.stride(0) if grad_rows.dim() else 0
 
@@ -212,7 +227,7 @@ def _ce_backward(logits, target, lse_rows, grad_rows, ignore_index, label_smooth
         launch(cross_entropy_bwd_kernel, grid, key, x, target, lse_rows, grad_rows,
                target if inv_scale is None else inv_scale, x, x.stride(0),
                x.stride(0), stride_g, n, v, ignore_index, label_smoothing, 2.0 * z_loss, softcap or 1.0,
-               1.0 / (softcap or 1.0), **flags)
+               1.0 / (softcap or 1.0), **flags, **weighted)
 
     _launch_in_place(cross_entropy_bwd_kernel, key, logits, run)
 
@@ -291,15 +306,16 @@ def _chunk_logits(hidden, weight, bias, rows):
         yield s, e, h_c, logits
 
 
-def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
-                             z_loss=0.0, softcap=None, reduction="mean", chunk_size=None, need_dhidden=False,
-                             need_dweight=False, need_dbias=False):
-    """The chunked forward on hidden (T, H), weight (V, H), target (T,). Returns (loss, lse, dhidden,
-    dweight, dbias): loss fp32 (0-dim, or (T,) for 'none'), lse (T,) fp32, and the gradients asked for
-    (scaled for the reduction, for grad_output = 1; (0,) placeholders otherwise). 'none' computes none."""
+def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+                             label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean", chunk_size=None,
+                             need_dhidden=False, need_dweight=False, need_dbias=False):
+    """The chunked forward on hidden (T, H), weight (V, H), target (T,), class weights ce_weight (V,) or None.
+    Returns (loss, lse, dhidden, dweight, dbias): loss fp32 (0-dim, or (T,) for 'none'), lse (T,) fp32, and the
+    gradients asked for (scaled for the reduction, for grad_output = 1; (0,) placeholders otherwise). 'none'
+    computes none."""
     ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size = _check_scalars(
         ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
-    _check_tensors(hidden, weight, target, bias)
+    _check_tensors(hidden, weight, target, bias, ce_weight)
     if hidden.dim() != 2:
         raise ValueError(f"linear_cross_entropy_fwd takes 2-D hidden (T, H), got {tuple(hidden.shape)}")
     (t, _), v = hidden.shape, weight.shape[0]
@@ -312,7 +328,8 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-10
     loss_rows = empty((t,), dtype=torch.float32, device=dev)
     lse = empty((t,), dtype=torch.float32, device=dev)
     z_rows = empty((t,), dtype=torch.float32, device=dev) if z_loss else loss_rows
-    count = (target != ignore_index).sum()
+    wbuf = class_weight_buffer(ce_weight, v)
+    count = mean_divisor(target, wbuf, v, ignore_index)  # the non-ignored tokens, or their class weights' sum
     kernel_count, mean, post = count, reduction == "mean", None
     if grad and hidden.dtype == torch.float16:  # see FP16_GRAD_SCALE
         kernel_count = torch.full((), 1.0 / FP16_GRAD_SCALE, dtype=torch.float32, device=dev)
@@ -321,7 +338,7 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-10
     grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=post) if grad else None
     for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
         _ce_forward(logits, target[s:e], kernel_count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
-                    label_smoothing, z_loss, softcap, mean, grad)
+                    label_smoothing, z_loss, softcap, mean, grad, wbuf)
         if grad:
             grads.add_chunk(logits, h_c, s)
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
@@ -336,9 +353,9 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ignore_index=-10
     return loss, lse, dh, dw, db
 
 
-def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_index=-100, label_smoothing=0.0,
-                             z_loss=0.0, softcap=None, chunk_size=None, need_dhidden=True, need_dweight=True,
-                             need_dbias=True):
+def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index=-100,
+                             label_smoothing=0.0, z_loss=0.0, softcap=None, chunk_size=None, need_dhidden=True,
+                             need_dweight=True, need_dbias=True):
     """The recompute backward of reduction='none': grad (T,) per token; each chunk's logits are recomputed,
     the cross-entropy backward kernel writes grad x dloss/dlogits over them, and the same GEMMs as the
     fused forward follow. Returns (dhidden, dweight, dbias) with (0,) placeholders for those not asked for."""
@@ -349,10 +366,10 @@ def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_ind
     if hidden.dtype == torch.float16:  # see FP16_GRAD_SCALE
         inv_scale = torch.full((), 1.0 / FP16_GRAD_SCALE, dtype=torch.float32, device=hidden.device)
     grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=inv_scale)
-    target = target.contiguous()
+    target, wbuf = target.contiguous(), class_weight_buffer(ce_weight, v)
     for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
         _ce_backward(logits, target[s:e], lse[s:e], grad[s:e], ignore_index, label_smoothing, z_loss, softcap,
-                     inv_scale)
+                     wbuf, inv_scale)
         grads.add_chunk(logits, h_c, s)
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     return grads.result(hidden, weight, bias)
@@ -371,19 +388,19 @@ def scale_(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("kernelkit::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                             bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
-                             z_loss: float, softcap: Optional[float], reduction: str, chunk_size: Optional[int],
-                             need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                             bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor], ignore_index: int,
+                             label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
+                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                                    reduction, chunk_size, need_dhidden, need_dweight, need_dbias)
+    return linear_cross_entropy_fwd(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss,
+                                    softcap, reduction, chunk_size, need_dhidden, need_dweight, need_dbias)
 
 
 @_linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
+def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
       need_dhidden, need_dweight, need_dbias):
     _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
-    _check_tensors(hidden, weight, target, bias)
+    _check_tensors(hidden, weight, target, bias, ce_weight)
     t = hidden.shape[0]
     grad = reduction != "none"
     f32 = dict(dtype=torch.float32)
@@ -395,16 +412,17 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softc
 
 @torch.library.custom_op("kernelkit::linear_cross_entropy_bwd", mutates_args=())
 def _linear_cross_entropy_bwd_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                                 target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
-                                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
-                                 chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                                 target: torch.Tensor, bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor],
+                                 lse: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+                                 softcap: Optional[float], chunk_size: Optional[int], need_dhidden: bool,
+                                 need_dweight: bool, need_dbias: bool
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_cross_entropy_bwd(grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss,
-                                    softcap, chunk_size, need_dhidden, need_dweight, need_dbias)
+    return linear_cross_entropy_bwd(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index, label_smoothing,
+                                    z_loss, softcap, chunk_size, need_dhidden, need_dweight, need_dbias)
 
 
 @_linear_cross_entropy_bwd_op.register_fake
-def _(grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+def _(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
       need_dhidden, need_dweight, need_dbias):
     return (hidden.new_empty(hidden.shape if need_dhidden else (0,)),
             hidden.new_empty(weight.shape if need_dweight else (0,)),
@@ -421,13 +439,13 @@ def _no_double_backward():
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, *scalars = inputs
+    hidden, weight, target, bias, ce_weight, *scalars = inputs
     ctx.mark_non_differentiable(*output[1:])
     ctx.reduction = scalars[4]
     ctx.args = tuple(scalars[:4]) + (scalars[5],)  # ignore_index, label_smoothing, z_loss, softcap, chunk_size
     ctx.need = tuple(x is not None and x.requires_grad for x in (hidden, weight, bias))
     if ctx.reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, output[1])
+        ctx.save_for_backward(hidden, weight, target, bias, ce_weight, output[1])
     else:
         ctx.save_for_backward(*output[2:])
 
@@ -435,12 +453,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dloss, *_):
     _no_double_backward()
     if ctx.reduction == "none":
-        hidden, weight, target, bias, lse = ctx.saved_tensors
-        grads = _linear_cross_entropy_bwd_op(dloss, hidden, weight, target, bias, lse, *ctx.args, *ctx.need)
+        hidden, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+        grads = _linear_cross_entropy_bwd_op(dloss, hidden, weight, target, bias, ce_weight, lse, *ctx.args,
+                                             *ctx.need)
     else:  # a functional graph cannot scale the saved gradients in place: one multiply each
         grads = tuple(g * dloss for g in ctx.saved_tensors)
     dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
-    return (dh, dw, None, db) + (None,) * 9
+    return (dh, dw, None, db) + (None,) * 10
 
 
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -450,15 +469,15 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     """The eager path: the backward scales the gradients the forward saved, in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                chunk_size):
+    def forward(ctx, hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap,
+                reduction, chunk_size):
         need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
         scalars = (ignore_index, label_smoothing, z_loss, softcap)
-        loss, lse, *grads = linear_cross_entropy_fwd(hidden, weight, target, bias, *scalars, reduction, chunk_size,
-                                                     *need)
+        loss, lse, *grads = linear_cross_entropy_fwd(hidden, weight, target, bias, ce_weight, *scalars, reduction,
+                                                     chunk_size, *need)
         ctx.need, ctx.reduction, ctx.args, ctx.applied = need, reduction, scalars + (chunk_size,), None
         if reduction == "none":
-            ctx.save_for_backward(hidden, weight, target, bias, lse)
+            ctx.save_for_backward(hidden, weight, target, bias, ce_weight, lse)
         else:
             ctx.grads = grads
         return loss
@@ -467,8 +486,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss):
         _no_double_backward()
         if ctx.reduction == "none":
-            hidden, weight, target, bias, lse = ctx.saved_tensors
-            grads = linear_cross_entropy_bwd(dloss, hidden, weight, target, bias, lse, *ctx.args, *ctx.need)
+            hidden, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+            grads = linear_cross_entropy_bwd(dloss, hidden, weight, target, bias, ce_weight, lse, *ctx.args,
+                                             *ctx.need)
         elif ctx.applied is None:
             # First backward: scale the saved gradients in place and hand the buffers over.
             ctx.applied = dloss.detach().to(torch.float32, copy=True)
@@ -479,22 +499,27 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             f = dloss.detach().float() / ctx.applied
             grads = tuple((g.float() * f).to(g.dtype) for g in ctx.grads)
         dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
-        return (dh, dw, None, db) + (None,) * 6
+        return (dh, dw, None, db) + (None,) * 7
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
-                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
-                         reduction: str = "mean", chunk_size: Optional[int] = None) -> torch.Tensor:
+                         bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         softcap: Optional[float] = None, reduction: str = "mean",
+                         chunk_size: Optional[int] = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` without materializing the logits.
 
     hidden: (..., H) in float32, bfloat16 or float16, any strides; weight: (V, H) (nn.Linear's layout) and
     bias (V,) of hidden's dtype; target (...) int64 or int32 class indices, ``ignore_index`` marking tokens
-    with no loss. Fused per chunk of tokens: the logits GEMM, ``softcap`` (``c * tanh(x / c)``),
-    ``label_smoothing``, ``z_loss`` (``z * lse²`` per token), and, when an input requires grad, dlogits and
-    the dhidden / dweight / dbias GEMMs, all during the forward (see the module docstring). The loss is
-    fp32 (a per-token (...) tensor for reduction='none'), accumulated in fp32 whatever the input dtype;
-    'mean' over non-ignored tokens is NaN when there are none, like torch. ``chunk_size`` overrides the
+    with no loss. ``ce_weight`` (V,): class weights, F.cross_entropy's ``weight`` under Liger's name (here
+    ``weight`` is the LM head's), any float dtype, with torch's semantics as in kernelkit.cross_entropy: a
+    token's loss and gradient scaled by its target's weight, 'mean' divided by the weights' sum over the
+    non-ignored tokens, ``label_smoothing``'s term weighted per class; no gradient for it (one that requires
+    grad raises). Fused per chunk of tokens: the logits GEMM, ``softcap`` (``c * tanh(x / c)``),
+    ``label_smoothing``, ``z_loss`` (``z * lse²`` per token, times its class weight), and, when an input
+    requires grad, dlogits and the dhidden / dweight / dbias GEMMs, all during the forward (see the module
+    docstring). The loss is fp32 (a per-token (...) tensor for reduction='none'), accumulated in fp32 whatever
+    the input dtype; 'mean' over non-ignored tokens is NaN when there are none, like torch. ``chunk_size`` overrides the
     rows per chunk (default: `chunk_rows`, from ``MAX_CHUNK_BYTES``). Under torch.autocast the inputs are
     cast to the autocast dtype first, as for F.linear. A class index outside [0, V) raises on CPU tensors
     and gives NaN on the GPU. No double backward (create_graph=True raises).
@@ -505,22 +530,25 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         dt = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight, bias = (x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                                 for x in (hidden, weight, bias))
-    _check_tensors(hidden, weight, target, bias)
+    _check_tensors(hidden, weight, target, bias, ce_weight)
+    if ce_weight is not None and ce_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("ce_weight requires grad, but class weights get no gradient (torch's F.cross_entropy has "
+                         "no derivative for its weight either): pass ce_weight.detach(), or keep it in a buffer")
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     need = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in (hidden, weight, bias))
+    args = (h2, weight, t1, bias, ce_weight, *scalars)
     if torch.compiler.is_compiling() or is_fake(hidden) or hidden.is_meta:
         grad_now = torch.is_grad_enabled() and scalars[4] != "none"
-        loss = _linear_cross_entropy_op(h2, weight, t1, bias, *scalars, *(n and grad_now for n in need))[0]
+        loss = _linear_cross_entropy_op(*args, *(n and grad_now for n in need))[0]
     elif not (torch.is_grad_enabled() and any(need)):
         if _autograd_profiler._is_profiler_enabled:  # named range: the profiler attributes the kernels
-            loss = profiled_call(_linear_cross_entropy_op, linear_cross_entropy_fwd, (h2, weight, t1, bias, *scalars))[0]
+            loss = profiled_call(_linear_cross_entropy_op, linear_cross_entropy_fwd, args)[0]
         else:
-            loss = linear_cross_entropy_fwd(h2, weight, t1, bias, *scalars)[0]
+            loss = linear_cross_entropy_fwd(*args)[0]
     elif _autograd_profiler._is_profiler_enabled:
-        loss = profiled_call(_linear_cross_entropy_op, _LinearCrossEntropyFunction.apply,
-                             (h2, weight, t1, bias, *scalars), backward=True)
+        loss = profiled_call(_linear_cross_entropy_op, _LinearCrossEntropyFunction.apply, args, backward=True)
     else:
-        loss = _LinearCrossEntropyFunction.apply(h2, weight, t1, bias, *scalars)
+        loss = _LinearCrossEntropyFunction.apply(*args)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -532,16 +560,21 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, softcap: Optional[float] = None, chunk_size: Optional[int] = None):
+                 z_loss: float = 0.0, softcap: Optional[float] = None, chunk_size: Optional[int] = None,
+                 ce_weight: Optional[torch.Tensor] = None):
         super().__init__()
         _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+        if ce_weight is not None and not (isinstance(ce_weight, torch.Tensor) and ce_weight.dim() == 1):
+            raise TypeError(f"ce_weight must be None or a 1-D tensor of class weights (V,), got "
+                            f"{type(ce_weight).__name__}{tuple(getattr(ce_weight, 'shape', ()))}")
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+        self.register_buffer("ce_weight", ce_weight)  # as nn.CrossEntropyLoss keeps its weight: moves with .to()
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                  softcap=self.softcap, reduction=self.reduction)
+        kw = dict(ce_weight=self.ce_weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                  z_loss=self.z_loss, softcap=self.softcap, reduction=self.reduction)
         if hidden.device.type != "cuda" and not interpreting():
             return reference(hidden, weight, target, bias, **kw)
         return linear_cross_entropy(hidden, weight, target, bias, chunk_size=self.chunk_size, **kw)
@@ -552,24 +585,16 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-              softcap: Optional[float] = None, reduction: str = "mean", **_) -> torch.Tensor:
-    """Plain PyTorch, the way HF computes the LM loss: ``F.cross_entropy(F.linear(h, w, b).float(), t)``
-    (float64 inputs stay float64), with softcap and z-loss as in kernelkit.cross_entropy."""
+              *, ce_weight: Optional[torch.Tensor] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+              z_loss: float = 0.0, softcap: Optional[float] = None, reduction: str = "mean", **_) -> torch.Tensor:
+    """Plain PyTorch, the way HF computes the LM loss: ``F.cross_entropy(F.linear(h, w, b).float(), t,
+    weight=ce_weight)`` (float64 inputs stay float64), with softcap and z-loss as kernelkit.cross_entropy's
+    reference adds them."""
     logits = F.linear(hidden, weight, bias)
-    x = logits if logits.dtype == torch.float64 else logits.float()
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    x, t = x.reshape(-1, x.shape[-1]), target.reshape(-1).long()
-    if not z_loss:
-        loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
-        return loss.view(target.shape) if reduction == "none" else loss
-    loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
-    valid = t != ignore_index
-    loss = loss + torch.where(valid, z_loss * torch.logsumexp(x, dim=-1).square(), 0.0)
-    if reduction == "none":
-        return loss.view(target.shape)
-    return loss.sum() / valid.sum() if reduction == "mean" else loss.sum()
+    loss = cross_entropy_reference(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), weight=ce_weight,
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                                   softcap=softcap, reduction=reduction)
+    return loss.view(target.shape) if reduction == "none" else loss
 
 
 def cost(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -604,10 +629,10 @@ def _liger_loader():
     if fn is None:
         return None
 
-    def liger(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
-              reduction="mean", **_):
-        return fn(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, None, ignore_index, z_loss,
-                  label_smoothing, reduction, softcap)
+    def liger(hidden, weight, target, bias=None, ce_weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+              softcap=None, reduction="mean", **_):
+        return fn(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, ce_weight, ignore_index,
+                  z_loss, label_smoothing, reduction, softcap)
 
     return liger
 
@@ -623,5 +648,6 @@ register(OpSpec(
     # relative error against zero measures nothing (the hidden states' layouts are all fuzzed).
     layout_skip=((1, "expanded"),),
     doc="LM head + cross-entropy fused per chunk of tokens: cuBLAS GEMMs around the cross-entropy kernel, "
-        "gradients in the forward, no (T, V) logits; ignore_index, label smoothing, z-loss, softcap, bias.",
+        "gradients in the forward, no (T, V) logits; ignore_index, class weights (ce_weight), label smoothing, "
+        "z-loss, softcap, bias.",
 ))
