@@ -169,7 +169,11 @@ def _patch_attention(model, fam: Family, report, undo) -> None:
         for m in mods:
             undo.set(m, "_kernelkit", attention.AttentionSettings(report, original))
         report.add("attention", cls, f'kernelkit attention (AttentionInterface "{attention.NAME}")', len(mods))
-    if getattr(config, "attn_logit_softcapping", None) and original != "eager":
+    # Only where the attention forward passes the softcap on (Gemma 2 does; Gemma 3 keeps it in its config and
+    # never applies it, nor does kernelkit then).
+    passes_softcap = any("attn_logit_softcapping" in inspect.unwrap(type(mods[0]).forward).__code__.co_names
+                         for mods in found.values())
+    if getattr(config, "attn_logit_softcapping", None) and original != "eager" and passes_softcap:
         report.note(f"attention logit softcap {config.attn_logit_softcapping:g} applied: the model's "
                     f"{original!r} attention skipped it, its eager attention applies it (kernelkit computes the "
                     f"model as trained)")
