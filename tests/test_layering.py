@@ -16,7 +16,7 @@ PKG = "kernelkit"
 
 # Floors, ground first: a module may import its own floor or any floor below it. The longest prefix wins.
 FLOORS = {
-    "kernelkit._version": 0, "kernelkit._requirements": 0,
+    "kernelkit._version": 0, "kernelkit._requirements": 0, "kernelkit.switches": 0,
     "kernelkit.hw": 1,
     "kernelkit.runtime": 2, "kernelkit.roofline": 2,
     "kernelkit.ops": 3,
@@ -85,7 +85,11 @@ def collect():
         for n in tree.body:
             if isinstance(n, (ast.If, ast.Try)):
                 top_level |= {id(c) for c in ast.walk(n)}
+        type_only = {id(c) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                     for c in ast.walk(n)}  # never runs: annotations only
         for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -498,13 +498,13 @@ def test_cli_patch_wiring(tmp_path, monkeypatch):
     Face one, the comparison table is printed and saved, the patched run's report goes to patched/."""
     pytest.importorskip("transformers")
     from kernelkit.hw import ceilings
-    from kernelkit.profile import compare, projection, trace
+    from kernelkit.profile import analysis, compare, projection, trace
 
     fake = _FakePatch()
     monkeypatch.setattr(ceilings, "ceilings_for", lambda gpu=None: (H100, True))
     monkeypatch.setattr(compare, "patch_module", lambda: fake)
     monkeypatch.setattr(projection, "patch_module", lambda: fake)
-    monkeypatch.setattr(projection, "time_calls", lambda tr, reps=10: {})
+    monkeypatch.setattr(analysis, "time_calls", lambda tr, reps=10: {})
     monkeypatch.setattr(trace, "measure", lambda model, inputs, **kw: _run(fake.on or set()))
     res = CliRunner().invoke(app, ["profile", "--example", "llama", "--patch", "--out", str(tmp_path)],
                              terminal_width=240)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..hw.ceilings import ceilings_for
-from .analysis import Report, Thresholds, analyze
-from .projection import patch_coverage, time_calls
+from .analysis import Report, Thresholds, analyze, time_calls
+from .projection import patch_coverage
 from .trace import OpRecord, Trace, measure, predict
 
 

@@ -29,7 +29,7 @@ from ..hw.ceilings import Ceilings
 from ..roofline.model import Cost, place
 from .costs import is_matmul
 from .findings import findings
-from .projection import RESULTS, ROOFLINE_EFFICIENCY, Projector, call_shape
+from .projection import RESULTS, ROOFLINE_EFFICIENCY, Projector, call_shape, shape_key, time_kernelkit
 from .trace import OpRecord, Trace
 
 KERNEL_EFFICIENCY = ROOFLINE_EFFICIENCY
@@ -346,7 +346,7 @@ def _calls_in(run: list[OpRecord], spec, via: str) -> int:
 
 def kernel_calls(trace: Trace) -> dict[tuple, set]:
     """(registry op, shape, dtype) -> phases: the kernelkit calls that would replace the trace's calls, to
-    time on the GPU (projection.time_calls)."""
+    time on the GPU (time_calls)."""
     reg = _registry()
     if reg is None:
         return {}
@@ -358,6 +358,16 @@ def kernel_calls(trace: Trace) -> dict[tuple, set]:
             out[(op, sd[0], sd[1])] |= {r.phase for r in per_step[0] if assign.get(id(r), ("",))[0] == op
                                         and r.module == module}
     return dict(out)
+
+
+def time_calls(trace: Trace, reps: int = 10) -> dict:
+    """Time kernelkit on this GPU at every (op, shape, dtype) the trace's registry candidates would call it with
+    (projection.time_kernelkit), keyed by projection.shape_key."""
+    reg = _registry()
+    out = {}
+    for (op, shape, dtype), phases in kernel_calls(trace).items():
+        out[shape_key(op, shape, dtype)] = time_kernelkit(reg.specs[op], shape, dtype, phases, reps)
+    return out
 
 
 def assign_registry(per_step, reg: _Registry) -> dict[int, tuple[str, str]]:

@@ -76,9 +76,9 @@ def profile_command(
     from rich.markup import escape
 
     from ..hw.ceilings import ceilings_for
-    from .analysis import Thresholds, analyze
+    from .analysis import Thresholds, analyze, time_calls
     from .examples import build_example
-    from .projection import patch_coverage, time_calls
+    from .projection import patch_coverage
     from .report import print_patch_comparison, print_report, write_reports
     from .trace import measure, predict
 

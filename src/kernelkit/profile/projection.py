@@ -125,17 +125,6 @@ def time_kernelkit(spec, shape: tuple, dtype: str, phases, reps: int = 10) -> di
         torch.cuda.empty_cache()
 
 
-def time_calls(trace, reps: int = 10) -> dict:
-    """Time kernelkit at every (op, shape, dtype) the trace's registry candidates would call it with."""
-    from .analysis import kernel_calls
-
-    specs = registry.all_ops()
-    out = {}
-    for (op, shape, dtype), phases in kernel_calls(trace).items():
-        out[shape_key(op, shape, dtype)] = time_kernelkit(specs[op], shape, dtype, phases, reps)
-    return out
-
-
 # --- the committed results table ---
 
 def results_table(gpu: str, root: Path | None = RESULTS) -> Path | None:
