@@ -34,6 +34,51 @@ def _tuning_notice(describe):
     return summary
 
 
+def _usage(msg: str):
+    """A bad option value: one red line naming the option and the fix, exit status 2, no traceback."""
+    console.print(f"[red]{msg}[/]", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+OP_DTYPES = ("float32", "bfloat16", "float16")
+QUICK_DTYPE = "bfloat16"  # check --quick: the dtype models train and serve in
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _op_dtype(dtype: str, allow_all: bool) -> str:
+    """--dtype as the harness names it (fp16 -> float16), or a usage error naming the choices."""
+    from .testing.correctness import DTYPES
+
+    if allow_all and dtype == "all":
+        return dtype
+    dt = DTYPES.get(dtype.removeprefix("torch."))
+    name = str(dt).removeprefix("torch.")
+    if name not in OP_DTYPES:
+        _usage(f"--dtype {dtype!r}: use {', '.join(OP_DTYPES)}{' or all' if allow_all else ''} "
+               f"(or fp32, bf16, fp16).")
+    return name
+
+
+def _specs(op: str, dtype: str) -> list:
+    """The registered ops `op` names ('all': every one) that run in `dtype`; a usage error for an unknown op or a
+    dtype the op does not run in. 'all' leaves out, and says so, the ops without that dtype."""
+    from .ops import registry
+
+    try:
+        specs = [registry.get(n) for n in (sorted(registry.all_ops()) if op == "all" else [op])]
+    except KeyError as e:
+        _usage(e.args[0])
+    if dtype == "all":
+        return specs
+    without = [s for s in specs if dtype not in s.dtypes]
+    if op != "all" and without:
+        _usage(f"--dtype {dtype}: {op} runs in {', '.join(without[0].dtypes)} only.")
+    if without:
+        console.print(f"[dim]--dtype {dtype}: leaving out {', '.join(s.name for s in without)} (not in that dtype)[/]",
+                      soft_wrap=True)
+    return [s for s in specs if dtype in s.dtypes]
+
+
 def _fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -94,7 +139,7 @@ def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and 
 
 @app.command()
 def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm; 'all' for every op"),
-          dtype: str = typer.Option("bfloat16"),
+          dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16 (fp32, bf16, fp16)"),
           modes: str = typer.Option("fwd,bwd", help="comma list of fwd, bwd, fwd+bwd"),
           out: Path = typer.Option(Path("benchmarks/results/local"), help="folder for JSON and PNG"),
           no_compile: bool = typer.Option(False, help="skip the torch.compile row"),
@@ -141,24 +186,35 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         return
 
     from .hw import measure_ceilings
-    from .ops import registry
     from .testing.bench import append_to_table, plot, print_table, write_json
     from .testing.suite import run_suite
 
+    # Every option is checked before anything runs: a typo is a one-line usage error, not a traceback later.
+    dtype = _op_dtype(dtype, allow_all=False)
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not mode_list or set(mode_list) - set(MODES):
+        _usage(f"--modes {modes!r}: a comma list of {', '.join(MODES)}.")
+    chosen_shapes = None
+    if shapes:
+        import ast
+
+        try:
+            parsed = ast.literal_eval(shapes)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            parsed = None
+        if not (isinstance(parsed, list) and parsed and all(isinstance(s, tuple) for s in parsed)):
+            _usage(f"--shapes {shapes!r}: a Python list of shape tuples, e.g. '[(4096, 4096)]'.")
+        chosen_shapes = parsed
+    specs = _specs(op, dtype)
     if not torch.cuda.is_available():
         console.print("[red]kernelkit bench needs a CUDA GPU[/] (timings on the interpreter mean nothing).")
         raise typer.Exit(2)
     ceilings = measure_ceilings()
-    names = sorted(registry.all_ops()) if op == "all" else [op]
     tuning = _tuning_notice(lambda text: console.print(f"[dim]{text}[/]"))
-    for name in names:
-        spec = registry.get(name)
-        chosen = spec.bench_shapes[:1] if quick else None
-        if shapes:
-            import ast
-
-            chosen = [tuple(s) for s in ast.literal_eval(shapes)]
-        rows = run_suite(spec, ceilings, shapes=chosen, dtype=dtype, modes=tuple(modes.split(",")),
+    for spec in specs:
+        name = spec.name
+        chosen = chosen_shapes or (spec.bench_shapes[:1] if quick else None)
+        rows = run_suite(spec, ceilings, shapes=chosen, dtype=dtype, modes=mode_list,
                          compile=not no_compile, latency=latency and not quick, kernel_time=kernel_time)
         print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
                                 f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
@@ -182,16 +238,22 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                                              "(with --reference)"),
           dtype: str = typer.Option("all", help="float32, bfloat16, float16 or all"),
           device: Optional[str] = typer.Option(None, help="cuda or cpu (cpu needs TRITON_INTERPRET=1)"),
-          trials: int = typer.Option(2, min=1, help="fresh random inputs per op, dtype and shape (at least 1)"),
+          trials: Optional[int] = typer.Option(None, min=1, help="fresh random inputs per op, dtype and shape "
+                                                                 "(at least 1; default 2, 1 with --quick)"),
           small: bool = typer.Option(False, help="only the small test shapes, also on the GPU (for the sanitizer)"),
-          layouts: bool = typer.Option(True, help="also pass every tensor argument as a row-padded, column-major, "
-                                                  "stepped, offset, misaligned and broadcast view"),
+          quick: bool = typer.Option(False, "--quick", help="one small shape per kernel path of each op, in "
+                                     f"{QUICK_DTYPE} (else the op's first dtype), 1 trial, no layouts: each path "
+                                     "compiled and checked once (make demo); without it, every test shape and dtype"),
+          layouts: Optional[bool] = typer.Option(None, "--layouts/--no-layouts",
+                                                 help="also pass every tensor argument as a row-padded, column-major, "
+                                                      "stepped, offset, misaligned and broadcast view (default: on, "
+                                                      "off with --quick)"),
           reference: Optional[Path] = typer.Option(None, "--reference", help="candidate files: the reference file "
                                                    "(KernelBench: Model, get_inputs, get_init_inputs)"),
-          rtol: Optional[float] = typer.Option(None, help="candidate files: relative-norm tolerance instead of the "
-                                                          "output dtype's (float32: 1e-5)"),
-          atol: Optional[float] = typer.Option(None, help="candidate files: also pass outputs within "
-                                                          "|out - ref| <= atol + rtol |ref| everywhere"),
+          rtol: Optional[float] = typer.Option(None, min=0.0, help="candidate files: relative-norm tolerance instead "
+                                                                   "of the output dtype's (float32: 1e-5)"),
+          atol: Optional[float] = typer.Option(None, min=0.0, help="candidate files: also pass outputs within "
+                                                                   "|out - ref| <= atol + rtol |ref| everywhere"),
           json_out: Optional[Path] = typer.Option(None, "--json", help="candidate files: write the report here"),
           jobs: int = typer.Option(0, min=0, help="'all': ops checked side by side, each in its own process "
                                                   "(compiling is CPU-bound); 0 picks min(6, CPUs / 2) on a GPU, 1 on the CPU"),
@@ -201,13 +263,21 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
 
     `kernelkit check CANDIDATE.py --reference REFERENCE.py` verifies any candidate kernel instead: the
     reference file defines Model, get_inputs() and get_init_inputs() (KernelBench), the candidate ModelNew
-    (or Model). Exit status 0 when every check passes, 1 when one fails, 2 for usage errors."""
+    (or Model). The candidate must return what the reference returns, structure included: a tensor where the
+    reference returns a tensor (a 1-tuple (out,) for out fails), a tuple or list (the two alike) of as many
+    where it returns a tuple or list, None where it returns None; shapes and dtypes equal.
+    Exit status 0 when every check passes, 1 when one fails, 2 for usage errors."""
     import os
 
+    started = time.perf_counter()
     if op.endswith(".py") or Path(op).is_file():
-        _check_files(Path(op), reference, device, trials, rtol, atol, json_out,
-                     op_only=[n for n, v in (("--dtype", dtype != "all"), ("--small", small)) if v])
+        op_only = [n for n, v in (("--dtype", dtype != "all"), ("--small", small), ("--quick", quick),
+                                  ("--layouts/--no-layouts", layouts is not None)) if v]
+        _check_files(Path(op), reference, device, 2 if trials is None else trials, rtol, atol, json_out,
+                     op_only=op_only)
         return
+    trials = trials or (1 if quick else 2)
+    layouts = (not quick) if layouts is None else layouts
     given = [n for n, v in (("--reference", reference), ("--rtol", rtol), ("--atol", atol), ("--json", json_out))
              if v is not None]
     if given:
@@ -217,8 +287,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
 
     import torch
 
-    from .ops import registry
-
+    dtype = _op_dtype(dtype, allow_all=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         console.print(f"[red]--device {device!r}[/]: use cuda or cpu.", soft_wrap=True)
@@ -234,38 +303,40 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
                       "set TRITON_INTERPRET=1 before the process starts (e.g. TRITON_INTERPRET=1 kernelkit check ...); "
                       "Triton reads it as kernelkit is imported.", soft_wrap=True)
         raise typer.Exit(2)
-    try:
-        specs = [registry.get(n) for n in (sorted(registry.all_ops()) if op == "all" else [op])]
-    except KeyError as e:
-        console.print(f"[red]{e.args[0]}[/]", soft_wrap=True)
-        raise typer.Exit(2)
+    specs = _specs(op, dtype)
 
     if jobs == 0:
         # H100 host, 16 CPUs, cold caches: 4 side by side 173 s, 6 154 s (no out-of-memory at 6)
         jobs = max(1, min(6, (os.cpu_count() or 2) // 2)) if device.startswith("cuda") else 1
     if op == "all" and jobs > 1 and rows_out is None:
         flags = ["--dtype", dtype, "--device", device, "--trials", str(trials)] + ["--small"] * small + \
-            ["--no-layouts"] * (not layouts)
+            ["--quick"] * quick + ["--layouts" if layouts else "--no-layouts"]
         rows = _check_side_by_side([s.name for s in specs], flags, jobs)
     else:
-        rows = _check_here(specs, dtype, device, trials, small, layouts)
+        rows = _check_here(specs, dtype, device, trials, small, layouts, quick)
     if rows_out is not None:
         rows_out.write_text(json.dumps(rows))
         return
-    _check_summary(rows, device, trials)
+    _check_summary(rows, device, trials, time.perf_counter() - started, quick)
 
 
-def _check_here(specs, dtype: str, device: str, trials: int, small: bool, layouts: bool) -> list[dict]:
+def _check_here(specs, dtype: str, device: str, trials: int, small: bool, layouts: bool, quick: bool = False
+                ) -> list[dict]:
     """Run the checks of `specs` in this process, one progress line per op; returns one row per check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .testing import check_spec
+    from .testing.correctness import quick_shapes
     from .testing.layouts import check_layouts, layout_shape
 
     plan = []  # (spec, dtype, shape): one check each
     for spec in specs:
         shapes = spec.test_shapes if device == "cpu" or small else (spec.test_shapes + spec.bench_shapes[:1])
-        for dt in (spec.dtypes if dtype == "all" else (dtype,)):
+        dtypes = spec.dtypes if dtype == "all" else (dtype,)
+        if quick:
+            shapes = quick_shapes(spec)
+            dtypes = dtypes if dtype != "all" else (QUICK_DTYPE if QUICK_DTYPE in spec.dtypes else spec.dtypes[0],)
+        for dt in dtypes:
             plan += [(spec, dt, shape) for shape in shapes]
             if layouts:
                 plan.append((spec, dt, "layouts"))
@@ -354,7 +425,8 @@ def _check_side_by_side(names: list[str], flags: list[str], jobs: int) -> list[d
     return [row for name in names for row in results[name]]
 
 
-def _check_summary(rows: list[dict], device: str, trials: int) -> None:
+def _check_summary(rows: list[dict], device: str, trials: int, seconds: float | None = None,
+                   quick: bool = False) -> None:
     table = Table(title=f"kernelkit check on {device}")
     for col in ("op", "dtype", "shape", "result", "worst rel. error"):
         table.add_column(col)
@@ -367,9 +439,14 @@ def _check_summary(rows: list[dict], device: str, trials: int) -> None:
     layout_cases = sum(row["layout_cases"] for row in rows)
     n_shape = len(rows) - n_layout
     colour = "red" if failed or not rows else "green"
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
     console.print(f"[{colour}]{n_shape} checks (op x dtype x shape), {trials} trial(s) each, "
                   f"{n_shape * trials} trials in all; {n_layout} layout checks, {layout_cases} layout cases: "
-                  f"{failed} failed[/]", soft_wrap=True)
+                  f"{failed} failed[/]{took}", soft_wrap=True)
+    if quick:
+        console.print(f"quick: one shape per kernel path of each op, {trials} trial(s), "
+                      f"{'with' if n_layout else 'no'} layout fuzz; `kernelkit check all` runs every test shape, "
+                      f"dtype and layout.", soft_wrap=True)
     if failed or not rows:  # a check that ran nothing has passed nothing
         raise typer.Exit(1)
 

@@ -160,9 +160,10 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
           run_twice: bool = True, generator: torch.Generator | None = None) -> CheckReport:
     """Check one call of `fn(*args, **kwargs)` against `reference` evaluated in float64.
 
-    The outputs must have the reference's structure (`structure_mismatch`). Outputs are allocated poisoned; gradients of `args[i]` for i in `grad_args` are compared with
-    the reference's autograd under the same random output gradient; with `run_twice`, a second
-    identical call must give bitwise-identical outputs (a differing result means a race).
+    The outputs must have the reference's structure (`structure_mismatch`) and are allocated poisoned;
+    gradients of `args[i]` for i in `grad_args` are compared with the reference's autograd under the same
+    random output gradient; with `run_twice`, a second identical call must give bitwise-identical outputs
+    (a differing result means a race).
     """
     kwargs = kwargs or {}
     report = CheckReport()
@@ -209,6 +210,25 @@ def check(fn: Callable, reference: Callable, args: Sequence, kwargs: dict | None
             if isinstance(o, torch.Tensor) and not _bitwise_equal(o.detach(), o2.detach()):
                 report.failures.append(f"out[{i}] differs between two identical calls (race?)")
     return report
+
+
+def quick_shapes(spec) -> list[tuple]:
+    """`kernelkit check --quick`: one small test shape per kernel path of the op, so each path is compiled and
+    checked once. A shape's flags (bools, strings, a tuple of packed lengths: attention's causal, scaled_matmul's
+    'rowwise', rope's 'positions') and, where it has flags, its length (trailing sizes such as a kv length)
+    name its path; of a path's shapes, the one with the fewest sizes of 1 (they skip the masking of a ragged
+    edge), then the smallest, is taken. Shapes without flags are one path: their 2-D or 3-D form is the same kernel."""
+    paths: dict[tuple, list[tuple]] = {}
+    for shape in spec.test_shapes:
+        flags = tuple(type(d).__name__ if isinstance(d, tuple) else d for d in shape
+                      if isinstance(d, (bool, str, tuple)))
+        paths.setdefault((len(shape), flags) if flags else (), []).append(shape)
+
+    def rank(shape):
+        sizes = [d for d in shape if isinstance(d, int) and not isinstance(d, bool)]
+        return sum(d == 1 for d in sizes), sum(sizes)
+
+    return [min(shapes, key=rank) for shapes in paths.values()]
 
 
 def check_spec(spec, shape, dtype, device: str = "cuda", trials: int = 2, seed: int = 0, **kw) -> CheckReport:
