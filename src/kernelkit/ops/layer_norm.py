@@ -5,7 +5,8 @@ looped two-pass kernel for rows over MAX_FUSED_N; a persistent backward whose pr
 share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
 rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
 Holding dw and db as well as w in registers makes the fused backward's limit MAX_FUSED_BWD_N, lower
-than the forward's; past it the looped backward works on dw/db partial rows meant to stay in L2.
+than the forward's; past it a column-strip backward (`WideBackward`, as RMSNorm's) takes the rows:
+a per-row sum, then strips of columns that keep their share of dw and db in registers.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, 
 from . import _validate
 from .registry import OpSpec, optional_import, register
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
-from .rms_norm import _check_trailing, _column_sum
+from .rms_norm import WideBackward, _check_trailing, _column_sum
 
 # Longest row the forward holds in registers; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
 # The fused backward also keeps w, dw and db (3 fp32 rows) in registers: at 16384 ptxas spills
-# ~1.4 KB a thread, and at 32768 no row tile fits 32 elements a thread at all.
+# ~1.4 KB a thread, and at 32768 no row tile fits 32 elements a thread at all. Longer rows take a
+# wide-row backward (WideBackward in ops/rms_norm.py).
 MAX_FUSED_BWD_N = 8192
 LOOP_BLOCK_N = 4096
+# The column-strip backward of wide rows; on the H100 at 16K-64K columns (norm_width_sweep.json) 1630 GB/s in
+# bf16 and 1690 in fp32, where the looped kernel before it ran 590-1200. Tests and benchmarks set others.
+WIDE_BWD = WideBackward(4.0, 4, 512, 4)
 
 
 @autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
@@ -133,41 +138,63 @@ def layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stri
 
 
 @triton.jit
-def layer_norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx,
-                                 M, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
-    db_row = DB_PARTIAL + pid.to(tl.int64) * N
-    for row in range(pid, M, tl.num_programs(0)):
-        r64 = tl.cast(row, tl.int64)
-        mean = tl.load(MEAN + row)
-        rstd = tl.load(RSTD + row)
-        a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            m = cols < N
-            xhat = tl.where(m, (tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-            wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                wdy = wdy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-            a1 += xhat * wdy
-            a2 += wdy
-        c1 = tl.sum(a1, axis=0) / N
-        c2 = tl.sum(a2, axis=0) / N
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            m = cols < N
-            xhat = tl.where(m, (tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-            dy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-            wdy = dy
-            if HAS_WEIGHT:
-                wdy = dy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-                # Each program owns its partial rows: plain read-modify-write, no atomics.
-                tl.store(dw_row + cols, tl.load(dw_row + cols, mask=m, other=0.0) + dy * xhat, mask=m)
-            if HAS_BIAS:
-                tl.store(db_row + cols, tl.load(db_row + cols, mask=m, other=0.0) + dy, mask=m)
-            tl.store(DX + r64 * stride_dx + cols, ((wdy - (xhat * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=m)
+def layer_norm_bwd_row_dot_kernel(DY, X, W, MEAN, RSTD, C, stride_dy, stride_x, N, HAS_WEIGHT: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):
+    """c1 = Σ xhat·w·dy / N and c2 = Σ w·dy / N of one row, for the column-strip backward (C: (rows, 2))."""
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    mean = tl.load(MEAN + row)
+    a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        xc = tl.where(m, tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) - mean, 0.0)
+        wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            wdy = wdy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        a1 += xc * wdy
+        a2 += wdy
+    tl.store(C + 2 * r64, tl.sum(a1, axis=0) * tl.load(RSTD + row) / N)
+    tl.store(C + 2 * r64 + 1, tl.sum(a2, axis=0) / N)
+
+
+@triton.jit
+def layer_norm_bwd_strip_kernel(DY, X, W, MEAN, RSTD, C, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx,
+                                M, N, rows_per_group, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    # Last row group first: the rows the row-sum kernel read last may still be in L2.
+    group = tl.num_programs(1) - 1 - tl.program_id(1)
+    end = tl.minimum(M, (group + 1) * rows_per_group)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for start in range(group * rows_per_group, end, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        c1 = tl.load(C + 2 * rows64, mask=row_ok, other=0.0)
+        c2 = tl.load(C + 2 * rows64 + 1, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = dy * w[None, :] if HAS_WEIGHT else dy
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(db, axis=0), mask=col_ok)
 
 
 def _param(t, name, x):
@@ -214,6 +241,23 @@ def layer_norm_fwd(x, weight, bias, eps):
     return y, mean, rstd
 
 
+def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b):
+    """Launch the wide-row backward `cfg` describes; returns its dw and db partials (row groups, n)."""
+    c = empty((m, 2), dtype=torch.float32, device=x2.device)
+    launch(layer_norm_bwd_row_dot_kernel, (m,), None, dy2, x2, w, mean, rstd, c, dy2.stride(0), x2.stride(0), n,
+           HAS_WEIGHT=has_w, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    strips = cdiv(n, cfg.block_n)
+    groups = max(1, min(cdiv(m, cfg.rows), round(sms * cfg.programs_per_sm / strips)))
+    per_group = cdiv(cdiv(m, groups), cfg.rows) * cfg.rows
+    groups = cdiv(m, per_group)  # less any group the rounding left without rows
+    dw_part = empty((groups, n), dtype=torch.float32, device=x2.device) if has_w else x2
+    db_part = empty((groups, n), dtype=torch.float32, device=x2.device) if has_b else x2
+    launch(layer_norm_bwd_strip_kernel, (strips, groups), None, dy2, x2, w, mean, rstd, c, dx2, dw_part, db_part,
+           dy2.stride(0), x2.stride(0), dx2.stride(0), m, n, per_group, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+           BLOCK_N=cfg.block_n, ROWS=cfg.rows, num_warps=cfg.num_warps)
+    return dw_part, db_part
+
+
 def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     """Launch the backward. Returns (dx, dw, db); dw/db are empty when there is no weight/bias."""
     n = x.shape[-1]
@@ -230,22 +274,17 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     mean, rstd = mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     w = weight if has_w else x2
     sms = num_sms(x.device)
-    fused = n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N)
-    # Fused: one or two programs per SM, as measured for RMSNorm's backward on the H100. Looped:
-    # one per SM, so that the programs' dw/db partial rows and re-read rows (12 bytes a column in
-    # bf16) fit the H100's 50 MB L2 up to N ~ 30K instead of round-tripping to HBM on every row.
-    programs = min(m, sms * (2 if fused and next_pow2(n) <= 2048 else 1))
-    alloc = torch.empty if fused else torch.zeros  # the looped kernel accumulates into its partials
-    dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-    db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
     flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b)
-    args = (dy2, x2, w, mean, rstd, dx2, dw_part, db_part, dy2.stride(0), x2.stride(0), dx2.stride(0), m, n)
-    if fused:
-        launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), *args, **flags,
-               BLOCK_N=next_pow2(n))
+    strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
+    if n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N):
+        # One or two programs per SM, as measured for RMSNorm's backward on the H100.
+        programs = min(m, sms * (2 if next_pow2(n) <= 2048 else 1))
+        dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
+        db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
+        launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), dy2, x2, w, mean,
+               rstd, dx2, dw_part, db_part, *strides, m, n, **flags, BLOCK_N=next_pow2(n))
     else:
-        # 16 warps: with one program per SM, as many loads in flight as two programs of 8 would have.
-        launch(layer_norm_bwd_looped_kernel, (programs,), None, *args, **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=16)
+        dw_part, db_part = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b)
     dw = _column_sum(dw_part, weight) if has_w else none
     db = _column_sum(db_part, bias) if has_b else none
     return dx, dw, db

@@ -3,13 +3,16 @@
 Memory-bound: the floor is one read of x and one write of y (forward), one read of x and dy and one
 write of dx (backward). Rows that fit in one block are normalized in registers, several rows per
 program for short rows; longer rows take a looped kernel that makes two passes over the row.
-The backward is persistent: each program walks a strided set of rows and keeps its share of dw in
-registers, so dw costs one (programs × N) fp32 partial, summed in a second stage.
+The fused backward is persistent: each program walks a strided set of rows and keeps its share of dw
+in registers, so dw costs one (programs × N) fp32 partial, summed in a second stage. Rows too wide for
+it take a column-strip backward (`WideBackward`): a per-row sum, then strips of columns that keep their
+share of dw in registers over a group of rows.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,10 +30,37 @@ from .registry import OpSpec, optional_import, register
 # Longest row held in registers by one program; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
 # Longest row the fused backward holds: it keeps x, dy, w and dw per element, and past 16384
-# ptxas spills heavily (found compiling for sm_90); longer rows take the looped backward.
+# ptxas spills heavily (found compiling for sm_90); longer rows take a wide-row backward (below).
 MAX_FUSED_BWD_N = 16384
+# In fp32 with dsummed (add+RMSNorm) the spills at 16384 cost more: 505 GB/s fused against 1968 for
+# the strips backward on the H100 (benchmarks/results/h100/norm_width_sweep.json); bf16 keeps 2037.
+MAX_FUSED_BWD_N_FP32_DS = 8192
 # Chunk of a long row processed per loop step.
 LOOP_BLOCK_N = 4096
+
+
+@dataclass(frozen=True)
+class WideBackward:
+    """How the backward runs rows over the fused backward's limit (LayerNorm's too): a first kernel sums
+    x·w·dy per row; a second, on a grid of `block_n`-wide column strips × row groups (about
+    `programs_per_sm` programs per SM, `num_warps` warps each), writes dx of its strip `rows` rows at a
+    time and keeps the strip's share of dweight in registers over its row group. x and dy are read twice
+    (10 bytes an element in bf16 against 6 ideal), but every read is a plain stream.
+    """
+
+    programs_per_sm: float
+    rows: int
+    block_n: int
+    num_warps: int
+
+
+# Measured on the H100 at 16K-64K columns, 128 MB inputs (benchmarks/results/h100/norm_width_sweep.json):
+# 1640-1670 GB/s in bf16 (~95% of copy bandwidth for the bytes it moves), 1750 in fp32. The looped kernel
+# it replaced (two passes over one row at a time, the second re-reading it and adding dy·xhat into an fp32
+# dweight partial row) ran 900-1000 in bf16, at most 1170 over the programs per SM, warps, chunks and rows
+# per step tried: too few loads in flight per SM, by our reading (not profiled). Tests and benchmarks set
+# other strips.
+WIDE_BWD = WideBackward(4.0, 4, 512, 4)
 
 
 @autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_RESIDUAL"],
@@ -125,39 +155,53 @@ def rms_norm_bwd_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x,
 
 
 @triton.jit
-def rms_norm_bwd_looped_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N,
-                               offset, HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
-    for row in range(pid, M, tl.num_programs(0)):
-        r64 = tl.cast(row, tl.int64)
-        rstd = tl.load(RSTD + row)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            m = cols < N
-            x = tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                wdy = wdy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
-            acc += x * wdy
-        c = tl.sum(acc, axis=0) * rstd / N
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            m = cols < N
-            x = tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-            xhat = x * rstd
-            wdy = dy
-            if HAS_WEIGHT:
-                wdy = dy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
-                # This program owns its partial row: a plain read-modify-write, no atomics.
-                part = tl.load(dw_row + cols, mask=m, other=0.0)
-                tl.store(dw_row + cols, part + dy * xhat, mask=m)
-            dx = (wdy - xhat * c) * rstd
-            if HAS_DS:
-                dx += tl.load(DS + r64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
+def rms_norm_bwd_row_dot_kernel(DY, X, W, RSTD, C, stride_dy, stride_x, N, offset, HAS_WEIGHT: tl.constexpr,
+                                BLOCK_N: tl.constexpr):
+    """c = rstd · Σ x·w·dy / N of one row, for the column-strip backward."""
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        wdy = tl.load(DY + r64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            wdy = wdy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+        acc += tl.load(X + r64 * stride_x + cols, mask=m, other=0.0).to(tl.float32) * wdy
+    tl.store(C + row, tl.sum(acc, axis=0) * tl.load(RSTD + row) / N)
+
+
+@triton.jit
+def rms_norm_bwd_strip_kernel(DY, X, W, RSTD, C, DS, DX, DW_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N,
+                              rows_per_group, offset, HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    # Last row group first: the rows the row-sum kernel read last may still be in L2.
+    group = tl.num_programs(1) - 1 - tl.program_id(1)
+    end = tl.minimum(M, (group + 1) * rows_per_group)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for start in range(group * rows_per_group, end, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        c = tl.load(C + rows, mask=row_ok, other=0.0)
+        xhat = x * rstd[:, None]
+        wdy = dy * w[None, :] if HAS_WEIGHT else dy
+        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dy * xhat
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -225,6 +269,22 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
     return y, rstd, summed
 
 
+def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds):
+    """Launch the wide-row backward `cfg` describes; returns its (row groups, n) dw partial."""
+    c = empty((m,), dtype=torch.float32, device=x2.device)
+    launch(rms_norm_bwd_row_dot_kernel, (m,), None, dy2, x2, w, rstd, c, dy2.stride(0), x2.stride(0), n, offset,
+           HAS_WEIGHT=has_w, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+    strips = cdiv(n, cfg.block_n)
+    groups = max(1, min(cdiv(m, cfg.rows), round(sms * cfg.programs_per_sm / strips)))
+    per_group = cdiv(cdiv(m, groups), cfg.rows) * cfg.rows
+    groups = cdiv(m, per_group)  # less any group the rounding left without rows
+    partial = empty((groups, n), dtype=torch.float32, device=x2.device) if has_w else x2
+    launch(rms_norm_bwd_strip_kernel, (strips, groups), None, dy2, x2, w, rstd, c, ds2, dx2, partial, dy2.stride(0),
+           x2.stride(0), ds2.stride(0), dx2.stride(0), m, n, per_group, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds,
+           BLOCK_N=cfg.block_n, ROWS=cfg.rows, num_warps=cfg.num_warps)
+    return partial
+
+
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
                  offset: float = 0.0, dsummed: Optional[torch.Tensor] = None):
     """Launch the backward. Returns (dx, dw); dw is empty when there is no weight.
@@ -245,7 +305,10 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
     rstd = rstd.reshape(-1).contiguous()
     w = weight if has_w else x2
     sms = num_sms(x.device)
-    if n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N):
+    fused_limit = min(MAX_FUSED_N, MAX_FUSED_BWD_N)
+    if has_ds and x.dtype == torch.float32:
+        fused_limit = min(fused_limit, MAX_FUSED_BWD_N_FP32_DS)
+    if n <= fused_limit:
         block_n = next_pow2(n)
         # One or two programs per SM (measured on the H100: more only adds dw partial traffic);
         # each owns one fp32 row of the dw partial.
@@ -255,11 +318,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
                dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
                m, n, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds, BLOCK_N=block_n)
     else:
-        programs = min(m, sms * 2)
-        partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
-        launch(rms_norm_bwd_looped_kernel, (programs,), None, dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0),
-               x2.stride(0), ds2.stride(0), dx2.stride(0), m, n, offset, HAS_WEIGHT=has_w,
-               HAS_DS=has_ds, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
+        partial = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds)
     dw = _column_sum(partial, weight) if has_w else x.new_empty(0)
     return dx, dw
 
