@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+KERNELKIT := $(VENV)/bin/kernelkit
 
 .PHONY: demo test gpu-test clean
 
@@ -27,15 +28,15 @@ demo: SHELL := /bin/bash
 demo: export TIMEFORMAT := (%0R s)
 demo: $(VENV)/.installed
 	@echo "== 1/3 kernelkit doctor: this machine's ceilings"
-	@time $(VENV)/bin/kernelkit doctor --gpu h100
+	@time $(KERNELKIT) doctor --gpu h100
 	@echo "== 2/3 kernelkit check all --quick: every op against its float64 reference"
 	@time if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  KERNELKIT_TUNE=first $(VENV)/bin/kernelkit check all --quick; \
+	  KERNELKIT_TUNE=first $(KERNELKIT) check all --quick; \
 	else \
-	  TRITON_INTERPRET=1 $(VENV)/bin/kernelkit check all --quick --device cpu; \
+	  TRITON_INTERPRET=1 $(KERNELKIT) check all --quick --device cpu; \
 	fi
 	@echo "== 3/3 kernelkit profile --example llama: the model's ops on the roofline"
-	@time $(VENV)/bin/kernelkit profile --example llama --out kernelkit-report --top 15 --no-time-kernels
+	@time $(KERNELKIT) profile --example llama --out kernelkit-report --top 15 --no-time-kernels
 
 gpu-test: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu tests

@@ -66,8 +66,8 @@ from kernelkit.ops import moe as M
 from kernelkit.ops.mxfp8 import mxfp8_dequantize
 from kernelkit.ops import registry
 from kernelkit.testing.bench import env_fingerprint
-from kernelkit.testing.poison import empty
-from kernelkit.tune import chosen_configs
+from kernelkit.runtime.alloc import empty
+from kernelkit.runtime import chosen_configs
 
 SHAPES = {"mixtral": ((8192, 4096, 14336, 8, 2), "softmax"), "qwen3": ((8192, 2048, 768, 128, 8), "softmax"),
           "deepseek-v3": ((8192, 7168, 2048, 256, 8), "sigmoid"),

@@ -46,7 +46,7 @@ from triton.testing import do_bench
 import kernelkit
 from kernelkit.hw import lookup
 from kernelkit.ops import scaled_matmul as S
-from kernelkit.tune import chosen_configs
+from kernelkit.runtime import chosen_configs
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
 QUICK = [(4096, 4096, 4096), (8192, 4096, 14336)]

@@ -30,7 +30,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # Liger-Kernel and friend
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 || {
   log "editable install failed, using PYTHONPATH=src"; export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}; }
-KK="python3 -m kernelkit.cli"
+KK="python3 -m kernelkit.commands.cli"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$RES/nvidia-smi.csv" 2>&1
 
 if has doctor; then
@@ -39,7 +39,7 @@ fi
 sanitize_one() {  # one op under memcheck; its log and one line in sanitize.txt
   op=$1
   KERNELKIT_TUNE=first timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
-    python3 -m kernelkit.cli check "$op" --small --trials 1 >"$RES/sanitize-$op.log" 2>&1
+    python3 -m kernelkit.commands.cli check "$op" --small --trials 1 >"$RES/sanitize-$op.log" 2>&1
   echo "$op memcheck rc=$?" | tee -a "$RES/sanitize.txt"
 }
 export -f sanitize_one; export RES

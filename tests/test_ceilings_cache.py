@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import kernelkit
+from kernelkit import _version
 from kernelkit.hw import Ceilings
 from kernelkit.hw import ceilings as ceil_mod
 
@@ -48,7 +48,7 @@ def test_second_call_reads_the_cache(fake_gpu, tmp_path):
 
 def test_cache_key_includes_kernelkit_version(fake_gpu, tmp_path, monkeypatch):
     ceil_mod.measure_ceilings()
-    monkeypatch.setattr(kernelkit, "__version__", "999.0.0")
+    monkeypatch.setattr(_version, "__version__", "999.0.0")
     ceil_mod.measure_ceilings()
     assert len(fake_gpu) == 2
     assert len(list((tmp_path / "ceilings").glob("*.json"))) == 2
@@ -69,7 +69,7 @@ def test_ceilings_cached_by_the_unversioned_release_are_measured_again(fake_gpu,
     # each, bf16 738 TF/s on the H100 where a profile saw 844) holds a valid but outdated figure: a miss.
     old_shapes = [[4096, 4096, 4096], [8192, 8192, 8192], [8192, 8192, 32768], [8192, 2048, 32768],
                   [8192, 32000, 2048], [8192, 128256, 4096]]
-    keyed = {**FP, "kernelkit": kernelkit.__version__, "matmul_shapes": old_shapes}
+    keyed = {**FP, "kernelkit": _version.__version__, "matmul_shapes": old_shapes}
     old = tmp_path / "ceilings" / f"{hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]}.json"
     old.parent.mkdir(parents=True)
     old.write_text(json.dumps(GOOD))
@@ -79,7 +79,37 @@ def test_ceilings_cached_by_the_unversioned_release_are_measured_again(fake_gpu,
 
 
 GOOD = Ceilings(gpu="Fake GPU", fingerprint=dict(FP), copy_gbps=900.0, tflops={"bf16": 90.0}, launch_us=4.0,
-                l2_bytes=1, sms=132).to_json()
+                l2_bytes=1, sms=132, mem_gbps=950.0).to_json()
+
+
+# What version 2 (the fastest call of a burst; the copy as the memory roof) keyed its files on: its sweep's cases.
+V2_SHAPES = [(8192, 128256, 4096), (128256, 4096, 8192), (8192, 32000, 2048), (8192, 2048, 32768), (8192, 8192, 8192),
+             (12288, 12288, 12288), (16384, 16384, 16384), (4096, 4096, 4096)]
+V2_LAYOUTS = {"bf16": ("NT", "NN"), "fp16": ("NT", "NN"), "tf32": ("NT", "NN"), "fp32": ("NT", "NN"),
+              "fp8": ("tensorwise", "rowwise")}
+
+
+def _v2_path(tmp_path):
+    cases = {key: [f"{m}x{n}x{k} {lay}" for m, n, k in (V2_SHAPES[-1:] if key == "fp32" else V2_SHAPES) for lay in lays]
+             for key, lays in V2_LAYOUTS.items()}
+    keyed = {**FP, "kernelkit": _version.__version__, "cache_version": 2, "matmul_cases": cases}
+    return tmp_path / "ceilings" / f"{hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]}.json"
+
+
+def test_ceilings_cached_by_version_2_are_measured_again(fake_gpu, tmp_path, monkeypatch):
+    # Version 2's figures (bf16 798 TF/s from bursts, the 3018 GB/s copy as the memory roof) read up to 111% in a
+    # profile of the llama example: its file, even one in today's format, is a miss.
+    old = _v2_path(tmp_path)
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps(GOOD))
+    assert ceil_mod.CACHE_VERSION == 3
+    c = ceil_mod.measure_ceilings()
+    assert len(fake_gpu) == 1 and c.copy_gbps == 1001.0
+    assert json.loads(old.read_text())["copy_gbps"] == 900.0
+    # the check itself can fail: with version 2's key (cache version and sweep) the old file is what is read
+    monkeypatch.setattr(ceil_mod, "CACHE_VERSION", 2)
+    monkeypatch.setattr(ceil_mod, "MATMUL_SHAPES", tuple(V2_SHAPES))
+    assert ceil_mod.measure_ceilings().copy_gbps == 900.0 and len(fake_gpu) == 1
 
 
 def _edited(**changes):
@@ -104,6 +134,10 @@ BAD_FILES = {
     "extra key": _edited(extra=1).encode(),
     "copy_gbps a string": _edited(copy_gbps="fast").encode(),
     "copy_gbps zero": _edited(copy_gbps=0).encode(),
+    "mem_gbps missing (version 2's fields)": _edited(mem_gbps=_DROP).encode(),
+    "mem_gbps null": _edited(mem_gbps=None).encode(),
+    "mem_gbps a string": _edited(mem_gbps="fast").encode(),
+    "mem_gbps negative": _edited(mem_gbps=-1.0).encode(),
     "tflops a list": _edited(tflops=[1, 2]).encode(),
     "tflops value a string": _edited(tflops={"bf16": "90"}).encode(),
     "sms a float": _edited(sms=1.5).encode(),
@@ -130,7 +164,8 @@ def test_a_valid_hand_written_file_is_read(fake_gpu, tmp_path):
     ceil_mod.measure_ceilings()
     path = _cache_file(tmp_path)
     path.write_text(json.dumps(GOOD))
-    assert ceil_mod.measure_ceilings().copy_gbps == 900.0 and len(fake_gpu) == 1
+    c = ceil_mod.measure_ceilings()
+    assert c.copy_gbps == 900.0 and c.mem_gbps == 950.0 and len(fake_gpu) == 1
 
 
 def test_a_directory_in_place_of_the_file_does_not_crash(fake_gpu, tmp_path):

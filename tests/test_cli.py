@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernelkit.cli import app
+from kernelkit.commands.cli import app
 from tests.conftest import INTERPRET
 
 runner = CliRunner()
@@ -96,7 +96,7 @@ def test_check_all_side_by_side_collects_each_process_rows_and_a_dead_one_fails(
     # check all --jobs N: ops in child processes. A child that dies (here: an op name it refuses, exit 2) is a
     # failed row with the end of its output, not a silently missing op.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernelkit import cli
+    from kernelkit.commands import cli
     from kernelkit.ops import registry
 
     flags = ["--dtype", "float32", "--device", DEV, "--trials", "1", "--small", "--no-layouts"]
@@ -131,7 +131,7 @@ def test_check_cpu_without_interpreter_says_to_set_it(monkeypatch, value):
 
 def test_check_cpu_with_kernels_built_for_the_gpu_says_so(monkeypatch):
     # TRITON_INTERPRET set after kernelkit was imported: Triton compiled the kernels for the GPU already
-    from kernelkit import tune
+    from kernelkit import runtime as tune
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tune, "kernels_interpreted", lambda: False)

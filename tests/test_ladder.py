@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from kernelkit import ladder
-from kernelkit.cli import app
+from kernelkit.commands.cli import app
 from kernelkit.ladder import hgemm, nvrtc, run, sgemm, signature
 
 runner = CliRunner()

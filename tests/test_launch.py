@@ -1,4 +1,4 @@
-"""The lean launch path of `kernelkit.tune.launch`: its specialization key must be at least as fine as
+"""The lean launch path of `kernelkit.runtime.launch`: its specialization key must be at least as fine as
 Triton's, or a kernel compiled for aligned pointers (or for an int equal to 1) would run on a call that
 breaks that assumption."""
 
@@ -9,7 +9,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
 import kernelkit
-from kernelkit import tune
+from kernelkit import runtime as tune
 from kernelkit.ops.rms_norm import reference
 from kernelkit.testing import check
 

@@ -1,13 +1,16 @@
-"""Layout fuzzing for every registered op: each tensor argument (activations and parameters) as a
-row-padded, column-major, stepped, offset, misaligned and broadcast view, against the float64 reference,
-forward and backward. New ops get this for free through the registry."""
+"""Layout fuzzing for every registered op: each tensor argument (activations, parameters, and the integer and
+scale tensors: targets, sequence offsets, position and expert ids, quantization scales) as a row-padded,
+column-major, stepped, offset, misaligned and broadcast view, against the float64 reference, forward and
+backward. New ops get this for free through the registry."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import kernelkit
-from kernelkit.ops import _validate, registry
-from kernelkit.testing.layouts import LAYOUTS, check_layouts, relayout
+from kernelkit.ops import _validate, moe, mxfp8, registry
+from kernelkit.testing.layouts import LAYOUTS, check_layouts, layout_cases, layout_shapes, relayout
 
 OPS = sorted(registry.all_ops())
 
@@ -24,13 +27,77 @@ def test_every_argument_in_every_layout(name, device):
     report.raise_if_failed()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.int32, torch.uint8])
 @pytest.mark.parametrize("kind", LAYOUTS)
-def test_relayout_keeps_values_and_changes_strides(kind):
-    t = torch.randn(4, 6)
+def test_relayout_keeps_values_and_changes_strides(kind, dtype):
+    t = torch.randn(4, 6).mul(9).abs().to(dtype)
     moved = relayout(t, kind)
     want = t[:1].expand_as(t) if kind == "expanded" else t
     torch.testing.assert_close(moved, want, rtol=0, atol=0)
     assert moved.stride() != t.stride() or moved.storage_offset() != 0
+
+
+def test_integer_vectors_are_never_broadcast():
+    # A 1-D integer argument may hold offsets (cu_seqlens): a broadcast of its first value means something else.
+    # Every other layout keeps its values.
+    cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+    assert relayout(cu, "expanded") is None and relayout(cu, "transposed") is None
+    for kind in ("row_padded", "stepped", "offset", "misaligned"):
+        moved = relayout(cu, kind)
+        assert torch.equal(moved, cu) and (moved.stride() != (1,) or moved.storage_offset())
+
+
+@pytest.mark.parametrize("op,argument", [("attention", "cu_seqlens"), ("rope", "position_ids"),
+                                         ("cross_entropy", "args[1]"), ("linear_cross_entropy", "args[2]"),
+                                         ("scaled_matmul", "args[2]"), ("scaled_matmul", "args[3]")])
+def test_index_and_scale_arguments_are_fuzzed(op, argument):
+    # Each op's integer or scale argument reaches the fuzz (at some layout shape) as a stepped and an offset view.
+    spec = registry.get(op)
+    kinds = {what.split()[1] for shape in layout_shapes(spec)
+             for what, _, _ in layout_cases(spec, "float32", "cpu", shape) if what.split()[0] == argument}
+    assert {"stepped", "offset"} <= kinds, f"{op}: {argument} fuzzed as {sorted(kinds)}"
+
+
+def _moe_experts_inputs(shape, dtype, device, generator=None):
+    """moe's inputs routed by the reference router: (x, weights (T, k) fp32, gate_up, down, experts (T, k) int64)."""
+    (x, router, gate_up, down, top_k), _ = registry.get("moe").make_inputs(shape, dtype, device, generator)
+    weights, experts = moe.reference_route(x.float(), router.float(), top_k)
+    return (x, weights, gate_up, down, experts), {}
+
+
+def _mxfp8_dequantize_inputs(shape, dtype, device, generator=None):
+    """MXFP8 data and its uint8 E8M0 scales from mxfp8_quantize's inputs, by the spec's conversion."""
+    (x,), _ = registry.get("mxfp8_quantize").make_inputs(shape, torch.float32, device, generator)
+    return mxfp8.reference_quantize(x), {"out_dtype": dtype}
+
+
+def _weighted_cross_entropy_inputs(shape, dtype, device, generator=None):
+    (logits, target), _ = registry.get("cross_entropy").make_inputs(shape, dtype, device, generator)
+    return (logits, target), {"weight": torch.rand(shape[1], device=device, generator=generator) + 0.5}
+
+
+# Tensor arguments that the registry's make_inputs leave out, fuzzed the same way: moe_experts' routing weights
+# and expert ids (x and the expert weights are fuzzed through "moe"), mxfp8_dequantize's data and E8M0 scales
+# (exact: tolerance 0), cross_entropy's class weights.
+MORE_ARGUMENTS = {
+    "moe_experts": dataclasses.replace(
+        registry.get("moe"), name="moe_experts", fn=moe.moe_experts, reference=moe.experts_reference,
+        make_inputs=_moe_experts_inputs, layout_shape=(13, 16, 12, 4, 2), layout_tolerances={},
+        layout_skip=tuple((i, kind) for i in (0, 2, 3) for kind in LAYOUTS)),
+    "mxfp8_dequantize": dataclasses.replace(
+        registry.get("mxfp8_quantize"), name="mxfp8_dequantize", fn=kernelkit.mxfp8_dequantize,
+        reference=mxfp8.reference_dequantize, make_inputs=_mxfp8_dequantize_inputs, layout_shape=(5, 96)),
+    "cross_entropy_weight": dataclasses.replace(
+        registry.get("cross_entropy"), make_inputs=_weighted_cross_entropy_inputs,
+        layout_skip=tuple((i, kind) for i in (0, 1) for kind in LAYOUTS)),
+}
+
+
+@pytest.mark.parametrize("name", MORE_ARGUMENTS)
+def test_arguments_beyond_make_inputs(name, device):
+    report, cases = check_layouts(MORE_ARGUMENTS[name], "float32", device)
+    assert cases >= len(LAYOUTS) - 1, f"{name}: only {cases} layout cases ran"
+    report.raise_if_failed()
 
 
 def test_layouts_catch_a_kernel_that_ignores_the_row_stride(device, monkeypatch):
@@ -49,6 +116,25 @@ def test_layouts_catch_a_kernel_that_ignores_the_row_stride(device, monkeypatch)
     spec = registry.get("rms_norm")
     report, _ = check_layouts(spec, "float32", device, layouts=("row_padded",))
     assert not report.ok
+
+
+def test_layouts_catch_a_launcher_that_reads_an_index_tensor_as_contiguous(device, monkeypatch):
+    # The fuzz must fail where a kernel reads an integer argument's storage without its strides (issue 26's
+    # cu_seqlens): rope handed position_ids as if contiguous. The poison between a stepped view's elements is a
+    # position outside the table, which the kernel turns into NaN.
+    from kernelkit.ops import rope as mod
+
+    real = mod.rope_fwd
+
+    def broken(q, k, cos=None, sin=None, position_ids=None, *args, **kwargs):
+        if position_ids is not None:
+            position_ids = torch.as_strided(position_ids, position_ids.shape, (position_ids.shape[1], 1))
+        return real(q, k, cos, sin, position_ids, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "rope_fwd", broken)
+    spec = registry.get("rope")
+    report, _ = check_layouts(spec, "float32", device, shape=layout_shapes(spec)[-1], layouts=("stepped",))
+    assert report.failures and all(f.startswith("position_ids stepped") for f in report.failures), report.failures
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "cross_entropy", "swiglu"])

@@ -111,7 +111,7 @@ def test_nan_propagates_through_tma_epilogue(device):
 def test_whole_and_split_tile_stores(subtile, device):
     """The autotuner runs only its first config in the interpreter: both C-store variants launched directly."""
 
-    from kernelkit.tune import ensure_tma_allocator
+    from kernelkit.runtime import ensure_tma_allocator
 
     x, w, b = _inputs(37, 72, 40, torch.bfloat16, device, seed=6)
     out = torch.full((37, 40), float("nan"), device=device, dtype=torch.bfloat16)

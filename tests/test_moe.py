@@ -5,6 +5,7 @@ experts with more rows than one 16-row tile, empty experts, one expert taking ev
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -78,8 +79,8 @@ M.moe_experts(x, torch.rand(5, 2, device=dev), gu, d, ids)
 if dev == "cuda":
     torch.cuda.synchronize()
 """
-    if device != "cuda":
-        with pytest.raises(RuntimeError, match="outside"):
+    if device != "cuda":  # the ids are on the host: checked there, a ValueError naming them
+        with pytest.raises(ValueError, match=rf"experts holds the id {bad}, outside \[0, 4\)"):
             exec(code, {})
         return
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -586,6 +587,31 @@ def test_quantize_segments_t_kernel_matches_its_definition(dtype, gather):
                            f"{bad.nonzero()[:5].tolist()}: got {got[bad][:5].tolist()} want {want[bad][:5].tolist()}")
 
 
+@pytest.mark.gpu
+def test_quantize_segments_t_reads_its_index_tensors_as_given():
+    # offs, idx, row_scale and poffs are read by index in the kernel: stepped views (poison between the elements)
+    # must give what their contiguous copies give, bit for bit.
+    from kernelkit.ops._fp8 import padded_offsets
+
+    counts = torch.tensor([3, 0, 127, 129, 40])
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+    rows = int(counts.sum())
+    x = torch.randn(rows + 7, 75, device="cuda").bfloat16()
+    idx = torch.randint(0, rows + 7, (rows,), device="cuda")
+    scale = torch.rand(rows, device="cuda")
+
+    def stepped(t, poison):
+        return torch.stack([t, torch.full_like(t, poison)], 1).flatten()[::2]
+
+    want = M.quantize_segments_t(x, offs, idx, scale)
+    poffs = padded_offsets(offs)
+    got = M.quantize_segments_t(x, stepped(offs, 1 << 30), stepped(idx, 1 << 40), stepped(scale, float("nan")),
+                                poffs=stepped(poffs, 1 << 30))
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                           w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+
+
 def _launch_recording_inputs():
     """(args, leaves) of a small bf16 layer for the sm_90 compile tests, which record the launches the interpreter
     makes (skipped outside it)."""
@@ -770,6 +796,105 @@ def test_routing_options_are_validated(device):
         M.moe(*args[:4], 3, n_group=4, topk_group=1)
     with pytest.raises(TypeError, match="routed_scaling_factor must be a number"):
         M.moe(*args, routed_scaling_factor="2")
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite, got nan"):
+        M.moe(*args, routed_scaling_factor=float("nan"))
+
+
+def test_moe_experts_validates_the_routing(device):
+    # Issue 26: ids (T, 3) with weights (T, 2) raised a bare IndexError from inside the launcher.
+    x = torch.randn(5, 16, device=device)
+    gu, d = torch.randn(4, 24, 16, device=device), torch.randn(4, 16, 12, device=device)
+    ids = torch.tensor([[0, 1, 2], [2, 3, 0], [1, 0, 3], [0, 2, 1], [3, 1, 2]], device=device)
+    w = torch.rand(5, 3, device=device)
+    cases = [
+        ((x, w[:, :2], gu, d, ids), ValueError, r"weights must have experts' shape \(5, 3\).* got \(5, 2\)"),
+        ((x, w, gu, d, ids[:4]), ValueError, r"experts must have shape \(5, top_k\).* got \(4, 3\)"),
+        ((x, w[:, 0], gu, d, ids[:, 0]), ValueError, r"experts must have shape \(5, top_k\).* got \(5,\)"),
+        ((x, w, gu, d, ids.float()), TypeError, "experts has dtype float32; expert ids must be int64 or int32"),
+        ((x, w, gu, d, ids.tolist()), TypeError, "experts must be a torch.Tensor of expert ids, got list"),
+        ((x, (w * 4).int(), gu, d, ids), TypeError, "weights has dtype int32; supported: float32"),
+        ((x, w, gu, d, ids.masked_fill(ids == 3, 4)), ValueError, r"experts holds the id 4, outside \[0, 4\)"),
+        ((x, w, gu, d, ids - 1), ValueError, r"experts holds the id -1, outside \[0, 4\)"),
+        ((x[None], w, gu, d, ids), ValueError, r"x must be \(tokens, hidden\), got shape \(1, 5, 16\)"),
+        ((x, w, gu[:, :, :15], d, ids), ValueError, r"gate_up_weight must have shape \(experts, 2 \* inter"),
+        ((x, w, gu, d[:3], ids), ValueError, r"down_weight must have shape \(4, 16, 12\)"),
+        ((x, w, gu.double(), d.double(), ids), TypeError, "gate_up_weight has dtype"),
+        ((x, w, gu, d, ids.to("meta")), ValueError, "experts is on meta but x is on"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            M.moe_experts(*args)
+    for w_ok, ids_ok in ((w.double(), ids.int()), (w.half(), ids)):  # what the docstring accepts
+        got = M.moe_experts(x, w_ok, gu, d, ids_ok)
+        want = M.experts_reference(x.double(), w_ok.double(), gu.double(), d.double(), ids_ok.long())
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_nn_moe_validates_its_sizes():
+    for args, exc, match in (((16, 12, 4, 2.5), TypeError, "top_k must be an int, got float"),
+                             ((16, -12, 4, 2), ValueError, "intermediate must be >= 1, got -12"),
+                             ((16, 12, "4", 2), TypeError, "experts must be an int, got str"),
+                             ((0, 12, 4, 2), ValueError, "hidden must be >= 1, got 0")):
+        with pytest.raises(exc, match=match):
+            kernelkit.nn.MoE(*args)
+
+
+def test_router_in_float64_is_taken(device):
+    # The docstring says float32, bfloat16, float16 or float64 for the router, whatever x's dtype; others refused.
+    x, r, gu, d, k = _inputs((9, 16, 12, 4, 2), torch.float32, device, seed=2)
+    check(M.moe, M.reference, [x, r.double(), gu, d, k], grad_args=(0, 1, 2, 3), run_twice=False).raise_if_failed()
+    with pytest.raises(TypeError, match="router_weight has dtype int32; supported: float32, bfloat16, float16, "
+                                        "float64"):
+        M.moe(x, r.int(), gu, d, k)
+
+
+# --- the kernel path's router (`route`) against the reference's, written from the definition ---
+
+def _untied_logits(t, n_exp, n_group, bias, scoring, gen, margin=1e-3):
+    """(t, E) logits whose routing scores (probabilities plus the bias) and group scores (each group's two best
+    summed) differ by more than `margin` within every row: no top-k or group choice can flip on rounding."""
+    rows = []
+    while sum(len(r) for r in rows) < t:
+        logits = torch.randn(4 * t, n_exp, generator=gen, dtype=torch.float64) * 2
+        probs = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+        choice = probs + bias
+        group = choice.view(-1, n_group, n_exp // n_group).sort(-1, descending=True).values[..., :2].sum(-1)
+        ok = torch.ones(len(logits), dtype=torch.bool)
+        for v in (choice, group) if n_group > 1 else (choice,):
+            ok &= v.sort(-1).values.diff(dim=-1).min(-1).values > margin
+        rows.append(logits[ok])
+    return torch.cat(rows)[:t].float()
+
+
+ROUTINGS = {"plain": {}, "bias": {"expert_bias": True}, "groups": {"n_group": 4, "topk_group": 2},
+            "groups_of_one": {"n_group": 16, "topk_group": 9}, "scaled": {"routed_scaling_factor": 0.4},
+            "deepseek": {"expert_bias": True, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True),
+                                                 ("sigmoid", False)])
+@pytest.mark.parametrize("top_k", [1, 6])
+def test_route_matches_the_reference_routing(routing, scoring, renormalize, top_k):
+    # Expert ids exactly, weights and their gradients (to x and the router) to fp32 rounding; the router is the
+    # identity, so the logits are the untied ones drawn.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{routing} {scoring} {renormalize} {top_k}".encode()))
+    kw = dict(ROUTINGS[routing])
+    bias = torch.randn(16, generator=gen, dtype=torch.float64) * 0.1 if kw.get("expert_bias") else torch.zeros(16)
+    if "expert_bias" in kw:
+        kw["expert_bias"] = bias.float()
+    x = _untied_logits(23, 16, kw.get("n_group", 1), bias.double(), scoring, gen).requires_grad_()
+    router = torch.eye(16, requires_grad=True)
+    w, idx = M.route(x, router, top_k, scoring, renormalize, **kw)
+    xd, rd = (t.detach().double().requires_grad_() for t in (x, router))
+    w_ref, idx_ref = M.reference_route(xd, rd, top_k, scoring, renormalize, **kw)
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=2e-6, atol=1e-7)
+    dw = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(w, (x, router), dw.float())
+    want = torch.autograd.grad(w_ref, (xd, rd), dw)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
 
 
 def test_mxfp8_kernels_compile_for_sm90_at_hopper_tiles(monkeypatch):

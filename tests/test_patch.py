@@ -112,7 +112,7 @@ def close(a, b, rtol=1e-4, what=""):
 
 @pytest.fixture
 def device():
-    from kernelkit.tune import interpreting
+    from kernelkit.runtime import interpreting
 
     if torch.cuda.is_available() and not interpreting():
         return "cuda"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
-from kernelkit.cli import app
+from kernelkit.commands.cli import app
 from kernelkit.hw import DATASHEETS, Ceilings
 from kernelkit.profile import Thresholds, Trace, analyze, profile
 from kernelkit.profile.analysis import _busy_us, true_bytes
@@ -183,6 +183,32 @@ def test_analysis_of_plain_records_without_a_timeline():
     rep = analyze(recs, H100, Thresholds(overhead_pct=10))
     assert rep.measured and rep.overhead["idle_pct"] == pytest.approx(100 * (1 - 200 / 992), rel=1e-6)
     assert any("CUDA graphs" in f for f in rep.findings)
+
+
+def test_a_row_above_the_measured_ceiling_says_so():
+    # Against a memory roof of 3300 GB/s (the best of copy, add, sum; the copy alone 3000) and 800 TF/s: aten::add of
+    # 4x2048x2048 bf16 (100 MB, partly in L2 after the op that wrote it) at 3400 GB/s reads 103%, an LM-head input
+    # gradient at 856 TF/s 107%; rows at 101% and 95% carry no note.
+    c = Ceilings(gpu="Fake GPU", fingerprint={"source": "measured"}, copy_gbps=3000.0, tflops={"bf16": 800.0},
+                 launch_us=4.0, mem_gbps=3300.0)
+    n, gemm = 4 * 2048 * 2048, 2 * 8192 * 2048 * 32000
+
+    def r(op, module, flops, nbytes, ms):
+        return OpRecord(op, module, "fwd", 0, ((4, 2048, 2048),), ("bfloat16",), flops, nbytes, "bf16",
+                        kernels=[[0.0, ms * 1e3]])
+
+    recs = [r("aten::add", "a:Add", n, 6 * n, 6 * n / 3400e9 * 1e3),
+            r("aten::mul", "b:Mul", n, 6 * n, 6 * n / 3333e9 * 1e3),
+            r("aten::silu", "c:Silu", n, 4 * n, 4 * n / 3135e9 * 1e3),
+            r("aten::mm", "lm_head:Linear", gemm, 1e8, gemm / 856e12 * 1e3)]
+    rows = {row.op: row for row in analyze(recs, c, tables=None).rows}
+    assert rows["aten::add"].pct_roof == pytest.approx(100 * 3400 / 3300)
+    assert rows["aten::mm"].pct_roof == pytest.approx(100 * 856 / 800)
+    note = "above the measured ceiling: L2-resident inputs or clocks above the ceiling's"
+    for op in ("aten::add", "aten::mm"):
+        assert rows[op].verdict.endswith(note) and rows[op].verdict.split(":")[0] in ("KERNEL", "leave"), rows[op]
+    for op in ("aten::mul", "aten::silu"):  # 101% and 95%
+        assert rows[op].pct_roof < 102 and "ceiling" not in rows[op].verdict, rows[op]
 
 
 @settings(max_examples=60, deadline=None)

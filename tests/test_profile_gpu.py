@@ -97,7 +97,7 @@ def test_attribution_covers_the_llama_step(tmp_path):
 
 
 def test_cli_measures_the_example(tmp_path):
-    from kernelkit.cli import app
+    from kernelkit.commands.cli import app
 
     res = CliRunner().invoke(app, ["profile", "--example", "llama", "--steps", "2", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
@@ -177,7 +177,7 @@ def test_projections_are_timed_on_the_gpu_and_a_slower_kernel_is_dropped():
 
 def test_cli_patch_sets_projections_against_measured_savings(tmp_path):
     pytest.importorskip("transformers")
-    from kernelkit.cli import app
+    from kernelkit.commands.cli import app
 
     res = CliRunner().invoke(app, ["profile", "--example", "llama", "--patch", "--steps", "2", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output

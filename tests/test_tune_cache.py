@@ -1,4 +1,4 @@
-"""The persistent tuning cache (kernelkit.tune.cache) and `kernelkit tune`.
+"""The persistent tuning cache (kernelkit.runtime.cache) and `kernelkit tune`.
 
 The interpreter keeps one config per kernelkit kernel, so the launch path is exercised with a kernel built
 here: a real `triton.autotune` over two configs that differ in what the kernel writes (y = x * SCALE), tuned
@@ -19,12 +19,12 @@ import triton
 import triton.language as tl
 from typer.testing import CliRunner
 
-from kernelkit import tune
+from kernelkit import runtime as tune
 from kernelkit.ops import registry
 from kernelkit.ops.registry import OpSpec
 from kernelkit.roofline.model import Cost
-from kernelkit.tune import cache
-from kernelkit.tune import cli as tune_cli
+from kernelkit.runtime import cache
+from kernelkit.commands import tune as tune_cli
 from tests.conftest import INTERPRET
 
 FP = {"gpu": "Fake GPU", "capability": "9.0", "sms": 132, "driver": "560.35.03", "cuda": "13.0", "torch": "2.13.0",
@@ -119,7 +119,7 @@ def test_stored_config_is_used_after_a_restart(tuning):
 
 def test_stored_config_is_used_by_a_new_process(tuning, device):
     run(make_kernel(Bench()))
-    code = ("import torch, sys; from kernelkit import tune; from kernelkit.tune import cache; "
+    code = ("import torch, sys; from kernelkit import runtime as tune; from kernelkit.runtime import cache; "
             "import tests.test_tune_cache as t; "
             "cache.fingerprint = lambda: dict(t.FP); tune.interpreting = lambda: False; "
             "scale = t.run(t.make_kernel(t.Bench(fail=True))); "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernelkit.cli import app
+from kernelkit.commands.cli import app
 from kernelkit.testing import check_module
 from kernelkit.testing.problem_files import ProblemError, load_problem
 from kernelkit.testing.verify import CHECKS, INFO, PASS, SKIP, WARN

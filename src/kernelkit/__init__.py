@@ -4,7 +4,7 @@ The bytes, not the FLOPs, are the job: kernelkit measures your GPU's ceilings, p
 your model on its roofline, and swaps in Triton kernels that move every byte once.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 from ._requirements import check_versions  # noqa: E402
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, num_sms
+from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, num_sms
 from .rung import Launch, Rung, check_bf16_operands
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts

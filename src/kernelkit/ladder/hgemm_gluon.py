@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..ops._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate  # grouped order: as rung 3
-from ..tune import num_sms
+from ..runtime import num_sms
 from .rung import Launch, check_bf16_operands
 
 HALF_M = 64  # rows per consumer warpgroup; the tile is 2 x HALF_M rows

@@ -31,6 +31,8 @@ import torch
 from torch.autograd import profiler as _autograd_profiler
 from torch._subclasses.fake_tensor import FakeTensor
 
+from . import registry
+
 _Tensor = torch.Tensor
 
 
@@ -174,8 +176,6 @@ def _public_call(frame) -> tuple[str, list[str]] | None:
     """The registered public op whose frame is `frame` or up to three frames above it (`dispatch`, a private
     helper between the public function and `dispatch`), and its arguments that differ from the defaults as
     `name=value` fields (the values the function holds when it dispatches: normalized, as passed on)."""
-    from . import registry
-
     specs = registry._REGISTRY
     if len(_OP_PARAMS) != len(specs):  # ops register at import: rebuild when one was added
         _OP_PARAMS.clear()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import interpreting, next_pow2
+from ..runtime import interpreting, next_pow2
 from .mxfp8 import e8m0_to_fp32, mxfp8_dequantize, mxfp8_quantize
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -253,6 +253,8 @@ def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PA
     rows = x.shape[0] if idx is None else idx.shape[0]
     e, c = offs.shape[0] - 1, x.shape[1]
     poffs = padded_offsets(offs, pad) if poffs is None else poffs
+    # read by index in the kernel, without strides
+    offs, poffs, idx, row_scale = (None if t is None else t.contiguous() for t in (offs, poffs, idx, row_scale))
     q = torch.empty((c, _segments_width(rows, e, pad)), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
     block_c = min(64, next_pow2(c))

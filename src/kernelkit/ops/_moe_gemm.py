@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tune import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
+from ..runtime import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
 from ._fp8 import HW_FP8_CAST, mx_dequant, quantize_segments_t
 from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mxfp8 import e8m0_to_fp32, mx_encode

@@ -4,6 +4,7 @@ top-k) and the load-balancing statistics, without a host sync.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -90,3 +91,5 @@ def _check_routing(n_exp, top_k, expert_bias, n_group, topk_group, routed_scalin
         raise ValueError(f"topk_group ({topk_group}) needs n_group > 1")
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a number, got {type(routed_scaling_factor).__name__}")
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor!r}")

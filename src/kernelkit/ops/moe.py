@@ -31,22 +31,23 @@ import torch
 import torch.nn.functional as F
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import cdiv, interpreting, next_pow2
+from ..runtime.alloc import empty
+from ..runtime import cdiv, interpreting, next_pow2
 from . import _moe_gemm, _validate
-from ._dispatch import differentiable_backward, dispatch, reference_vjp, wants_grad
+from ._dispatch import differentiable_backward, dispatch, reference_vjp, traced, wants_grad
 from ._fp8 import (drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
                    quantize_cols_t, quantize_cols_t_reference, quantize_rows, quantize_rows_reference,
                    quantize_segments_t, quantize_segments_t_reference, quantized_weight)
 from ._gemm import input_precision
 from ._moe_gemm import (MX_MODES, _ROWDOT_BLOCK_N, _b_tma, _grouped_gemm, _wgrad, _wgrad_fp8,  # noqa: F401
                         moe_grouped_gemm_kernel, moe_wgrad_kernel)
-from ._moe_router import (_check_routing, _select, expert_counts, load_balancing_loss,  # noqa: F401 (re-exported)
-                          route)
+from ._moe_router import _check_routing, expert_counts, load_balancing_loss, route  # noqa: F401 (re-exported)
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .registry import OpSpec, register
 
 SCORINGS = ("softmax", "sigmoid")
+ROUTER_DTYPES = _validate.FLOAT_DTYPES + (torch.float64,)  # the router and routing weights: used in fp32
+ID_DTYPES = (torch.int64, torch.int32)
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 BACKWARD_PRECISIONS = ("bf16", "fp8")
 
@@ -342,26 +343,14 @@ KEEP_SAVED = os.environ.get("KERNELKIT_MOE_KEEP_SAVED", "0") == "1"
 def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize) -> tuple[int, int]:
     """Validate the arguments once; returns (experts, intermediate)."""
     _validate.tensor(x, "x", min_dim=1)
-    for name, w in (("router_weight", router_weight), ("gate_up_weight", gate_up_weight),
-                    ("down_weight", down_weight)):
-        _validate.tensor(w, name)
-        _validate.same_device(w, name, x, "x")
+    _validate.tensor(router_weight, "router_weight", dtypes=ROUTER_DTYPES)
+    _validate.same_device(router_weight, "router_weight", x, "x")
     hidden = x.shape[-1]
     if router_weight.dim() != 2 or router_weight.shape[1] != hidden or router_weight.shape[0] < 1:
         raise ValueError(f"router_weight must have shape (experts, {hidden}) to match x's last dim, "
                          f"got {tuple(router_weight.shape)}")
     n_exp = router_weight.shape[0]
-    gu = gate_up_weight.shape
-    if gate_up_weight.dim() != 3 or gu[0] != n_exp or gu[2] != hidden or gu[1] % 2 or gu[1] == 0:
-        raise ValueError(f"gate_up_weight must have shape ({n_exp}, 2 * intermediate, {hidden}) (experts, gate rows "
-                         f"then up rows, hidden: nn.Linear's (out, in) per expert), got {tuple(gu)}")
-    inter = gu[1] // 2
-    if down_weight.dim() != 3 or tuple(down_weight.shape) != (n_exp, hidden, inter):
-        raise ValueError(f"down_weight must have shape ({n_exp}, {hidden}, {inter}) (experts, hidden, intermediate), "
-                         f"got {tuple(down_weight.shape)}")
-    for name, w in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype}; cast one to the other")
+    inter = _check_expert_weights(x, gate_up_weight, down_weight, n_exp)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= n_exp:
@@ -371,6 +360,57 @@ def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renorm
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     return n_exp, inter
+
+
+def _check_expert_weights(x, gate_up_weight, down_weight, n_exp: Optional[int] = None) -> int:
+    """Validate the experts' weights against x and the number of experts (gate_up_weight's when None); returns
+    intermediate."""
+    for name, w in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+        _validate.tensor(w, name)
+        _validate.same_device(w, name, x, "x")
+    hidden = x.shape[-1]
+    gu = gate_up_weight.shape
+    if gate_up_weight.dim() != 3 or n_exp is not None and gu[0] != n_exp or gu[2] != hidden or gu[1] % 2 \
+            or gu[1] == 0:
+        raise ValueError(f"gate_up_weight must have shape ({'experts' if n_exp is None else n_exp}, 2 * intermediate, "
+                         f"{hidden}) (experts, gate rows then up rows, hidden: nn.Linear's (out, in) per expert), "
+                         f"got {tuple(gu)}")
+    n_exp = gu[0]
+    inter = gu[1] // 2
+    if down_weight.dim() != 3 or tuple(down_weight.shape) != (n_exp, hidden, inter):
+        raise ValueError(f"down_weight must have shape ({n_exp}, {hidden}, {inter}) (experts, hidden, intermediate), "
+                         f"got {tuple(down_weight.shape)}")
+    for name, w in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype}; cast one to the other")
+    return inter
+
+
+def _check_routing_tensors(x, weights, experts, n_exp: int) -> None:
+    """Validate a routing computed elsewhere (moe_experts' weights and experts) against x (T, hidden). The ids'
+    range is checked on the host where they are (CPU tensors: the interpreter); on a GPU, moe_experts_fwd asserts
+    it on the device, without a host sync."""
+    if not isinstance(experts, torch.Tensor):
+        raise TypeError(f"experts must be a torch.Tensor of expert ids, got {type(experts).__name__}")
+    if experts.dtype not in ID_DTYPES:
+        raise TypeError(f"experts has dtype {str(experts.dtype)[6:]}; expert ids must be int64 or int32 "
+                        f"(torch.topk's indices are int64)")
+    _validate.tensor(weights, "weights", dtypes=ROUTER_DTYPES)
+    t = x.shape[0]
+    if experts.dim() != 2 or experts.shape[0] != t or experts.shape[1] < 1:
+        raise ValueError(f"experts must have shape ({t}, top_k): one row of expert ids per token of x "
+                         f"{tuple(x.shape)}, got {tuple(experts.shape)}")
+    if weights.shape != experts.shape:
+        raise ValueError(f"weights must have experts' shape {tuple(experts.shape)}: one routing weight per chosen "
+                         f"expert, got {tuple(weights.shape)}")
+    _validate.same_device(experts, "experts", x, "x")
+    _validate.same_device(weights, "weights", x, "x")
+    if experts.device.type == "cpu" and not traced(experts):
+        bad = (experts < 0) | (experts >= n_exp)
+        if bad.any():
+            raise ValueError(f"experts holds the id {int(experts[bad][0])}, outside [0, {n_exp}) (the experts of "
+                             f"gate_up_weight); expert-parallel sentinels are not supported: drop those slots or "
+                             f"route them to a local expert with weight 0")
 
 
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -396,11 +436,11 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     x: (..., hidden); router_weight: (experts, hidden); gate_up_weight: (experts, 2 * intermediate, hidden), gate
     rows first then up rows; down_weight: (experts, hidden, intermediate) (each expert in nn.Linear's (out, in)
     convention, as transformers' fused MoE experts store them). x and the expert weights float32, bfloat16 or
-    float16 of one dtype, any strides; the router may be any float dtype. Routing: logits = x @ router_weight.T in
-    fp32, probabilities by `scoring` ("softmax": Mixtral, Qwen3-MoE; "sigmoid": DeepSeek-V3), the top_k largest,
-    divided by their sum if `renormalize`; DeepSeek-V3's routing with `expert_bias` (E,) (added for the choice
-    only), `n_group` / `topk_group` (group-limited top-k) and `routed_scaling_factor`: see `route`. Returns
-    (..., hidden) in x's dtype.
+    float16 of one dtype, any strides; the router float32, bfloat16, float16 or float64, whatever x's dtype (other
+    dtypes are a TypeError). Routing: logits = x @ router_weight.T in fp32, probabilities by `scoring` ("softmax":
+    Mixtral, Qwen3-MoE; "sigmoid": DeepSeek-V3), the top_k largest, divided by their sum if `renormalize`;
+    DeepSeek-V3's routing with `expert_bias` (E,) (added for the choice only), `n_group` / `topk_group`
+    (group-limited top-k) and `routed_scaling_factor`: see `route`. Returns (..., hidden) in x's dtype.
 
     The router runs in torch ops; the experts are grouped GEMMs over the tokens sorted by expert (gather fused into
     the loads, SwiGLU and the routing weight fused into the epilogues, fp32 accumulation), with no host sync.
@@ -439,8 +479,7 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     x2 = _rows(x, hidden)
     weights, experts = route(x2, router_weight, top_k, scoring, renormalize, expert_bias=expert_bias,
                              n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
-    return moe_experts(x2, weights, gate_up_weight, down_weight, experts, precision=precision,
-                       backward_precision=backward_precision).view(x.shape)
+    return _experts(x2, weights, gate_up_weight, down_weight, experts, precision, backward_precision).view(x.shape)
 
 
 def _check_precision(precision, x: Optional[torch.Tensor] = None, gate_up_weight: Optional[torch.Tensor] = None,
@@ -471,11 +510,23 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_weight: torch.Te
     """The expert part of `moe` for a routing computed elsewhere (a Hugging Face router, say):
     ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = experts[t, j].
 
-    x (T, hidden); weights (T, k), any float dtype (multiplied in fp32); experts (T, k) integer ids in
-    [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight (E, hidden, intermediate).
-    Differentiable in x, weights, gate_up_weight and down_weight. Not validated here (the caller checked the
-    layouts once): `moe` validates its arguments, then routes and calls this. precision and backward_precision as
-    `moe`'s."""
+    x (T, hidden); weights (T, k) float32, bfloat16, float16 or float64 (multiplied in fp32); experts (T, k) int64
+    or int32 ids in [0, E); gate_up_weight (E, 2 * intermediate, hidden), gate rows first; down_weight
+    (E, hidden, intermediate); x and the expert weights of one dtype, any strides, all on one device.
+    Differentiable in x, weights, gate_up_weight and down_weight. Validated (a ValueError or TypeError naming the
+    argument); an id outside [0, E) is a ValueError for CPU tensors (the interpreter) and, on a GPU, a device-side
+    assert at the next synchronization (no host sync here). precision and backward_precision as `moe`'s."""
+    _validate.tensor(x, "x", min_dim=2)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (tokens, hidden), got shape {tuple(x.shape)}; flatten the leading dims with "
+                         f"x.reshape(-1, x.shape[-1]) (and the routing's with .reshape(-1, top_k))")
+    _check_expert_weights(x, gate_up_weight, down_weight)
+    _check_routing_tensors(x, weights, experts, gate_up_weight.shape[0])
+    return _experts(x, weights, gate_up_weight, down_weight, experts, precision, backward_precision)
+
+
+def _experts(x, weights, gate_up_weight, down_weight, experts, precision, backward_precision) -> torch.Tensor:
+    """moe_experts on validated arguments (`moe` routes them itself)."""
     _check_precision(precision, x, gate_up_weight, backward_precision)
     allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32) and x.dtype == torch.float32
     save = wants_grad(x, weights, gate_up_weight, down_weight)
@@ -498,6 +549,11 @@ class MoE(torch.nn.Module):
                  expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
                  routed_scaling_factor: float = 1.0, backward_precision: str = "bf16"):
         super().__init__()
+        for name, v in (("hidden", hidden), ("intermediate", intermediate), ("experts", experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
         _check_precision(precision, backward_precision=backward_precision)
         _check_routing(experts, top_k, None, n_group, topk_group, routed_scaling_factor)
         self.precision, self.backward_precision = precision, backward_precision
@@ -553,16 +609,35 @@ def experts_reference(x, weights, gate_up_weight, down_weight, experts):
     return out
 
 
+def reference_route(x, router_weight, top_k, scoring="softmax", renormalize=True, *, expert_bias=None, n_group=1,
+                    topk_group=None, routed_scaling_factor=1.0):
+    """`route` written from its definition, sharing none of its code (tests hold the two against each other):
+    (weights (T, k), experts (T, k) int64) for x (T, H), in fp64 for fp64 inputs, else fp32. Ties break
+    differently (a stable descending sort here, torch.topk there)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    logits = x.to(acc) @ router_weight.to(acc).T
+    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = probs if expert_bias is None else probs + expert_bias.to(acc)  # the bias steers the choice only
+    if n_group > 1:
+        # A group scores the sum of its two best choices; experts outside the topk_group best groups drop out.
+        groups = choice.unflatten(-1, (n_group, -1))
+        group_score = groups.sort(dim=-1, descending=True, stable=True).values[..., :2].sum(-1)
+        rank = group_score.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        choice = groups.masked_fill((rank >= topk_group)[..., None], float("-inf")).flatten(-2)
+    experts = choice.argsort(dim=-1, descending=True, stable=True)[..., :top_k]
+    weights = probs.gather(-1, experts)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routed_scaling_factor, experts
+
+
 def reference(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True,
               **routing):
-    """Plain PyTorch: router logits in fp32 (fp64 for fp64 inputs), softmax or sigmoid, top-k, renormalized if
-    asked (and route's DeepSeek-V3 options in `routing`), then every expert in a Python loop over the tokens
-    routed to it. Output in x's dtype."""
+    """Plain PyTorch: the routing of `reference_route` (router logits in fp32, fp64 for fp64 inputs; softmax or
+    sigmoid, top-k, renormalized if asked, route's DeepSeek-V3 options in `routing`), then every expert in a
+    Python loop over the tokens routed to it. Output in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    logits = x2.to(acc) @ router_weight.to(acc).T
-    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    weights, experts = _select(probs, top_k, renormalize, **routing)
+    weights, experts = reference_route(x2, router_weight, top_k, scoring, renormalize, **routing)
     return experts_reference(x2, weights, gate_up_weight, down_weight, experts).reshape(x.shape)
 
 

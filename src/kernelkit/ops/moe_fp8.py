@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from ._fp8 import quantize_cols_t_reference, quantize_rows_reference
-from .moe import BENCH_SHAPES, cost, make_inputs, moe, route
+from .moe import BENCH_SHAPES, cost, make_inputs, moe, reference_route
 from .mxfp8 import reference_dequantize, reference_quantize
 from .registry import OpSpec, register
 
 
 def reference_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):
-    """`moe(..., precision="fp8")` in plain PyTorch: the router as `reference`'s (on x unquantized); x and the
-    expert weights quantized per row (`quantize_rows_reference`) and the experts computed in float64 on their
-    dequantized values, each expert's h rounded to x's dtype and quantized per row before the down projection.
-    Output in x's dtype."""
+    """`moe(..., precision="fp8")` in plain PyTorch: the router as `reference`'s (`reference_route`, in fp32 on x
+    unquantized); x and the expert weights quantized per row (`quantize_rows_reference`) and the experts computed
+    in float64 on their dequantized values, each expert's h rounded to x's dtype and quantized per row before the
+    down projection. Output in x's dtype."""
     def dequantized(t):
         q, scale = quantize_rows_reference(t)
         return q.double() * scale.double().unsqueeze(-1)
@@ -42,7 +42,7 @@ def reference_mxfp8(x, router_weight, gate_up_weight, down_weight, top_k, *, sco
 def _quantized_layer(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize, dequantized,
                      dequantized_h):
     x2 = x.reshape(-1, x.shape[-1])
-    weights, experts = route(x2.float(), router_weight, top_k, scoring, renormalize)
+    weights, experts = reference_route(x2.float(), router_weight, top_k, scoring, renormalize)
     xd, gud, dd = dequantized(x2), dequantized(gate_up_weight), dequantized(down_weight)
     out = torch.zeros(x2.shape, dtype=torch.float64, device=x.device)
     for e in range(gate_up_weight.shape[0]):

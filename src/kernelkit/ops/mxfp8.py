@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import autotune, cdiv, interpreting, launch, next_pow2
+from ..runtime.alloc import empty
+from ..runtime import autotune, cdiv, interpreting, launch, next_pow2
 from . import _validate
 from ._dispatch import dispatch
 from .registry import OpSpec, register

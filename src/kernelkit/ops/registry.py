@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..roofline.model import Cost
@@ -49,8 +50,9 @@ class OpSpec:
     # Per-layout tolerance overrides, each with its reason where the spec sets it: the case's description prefix
     # ("args[0] expanded") -> {dtype name: tolerance}.
     layout_tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
-    # The shape the layout fuzz uses (default: the smallest test shape with every size above 1).
-    layout_shape: tuple | None = None
+    # The shape the layout fuzz uses (default: the smallest test shape with every size above 1), or a list of shapes
+    # where some arguments exist only at some of them (attention's cu_seqlens with packed sequences).
+    layout_shape: tuple | list[tuple] | None = None
 
 
 _REGISTRY: dict[str, OpSpec] = {}
@@ -67,12 +69,11 @@ def _load_all() -> None:
     global _loaded
     if _loaded:
         return
-    from .. import ops as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    # every public module of this package (ops/), found beside this file: no import of the package itself
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if mod.name != "registry" and not mod.name.startswith("_"):
             try:
-                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+                importlib.import_module(f"{__package__}.{mod.name}")
             except Exception as e:  # one broken op must not take the others down; say so loudly
                 load_errors[mod.name] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"kernelkit op module {mod.name!r} failed to import: {load_errors[mod.name]}",

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import autotune, cdiv, launch, next_pow2
+from ..runtime.alloc import empty
+from ..runtime import autotune, cdiv, launch, next_pow2
 from . import _validate
 from ._dispatch import differentiable_backward, dispatch
 from .registry import OpSpec, optional_import, register
@@ -458,10 +458,18 @@ def cost(q, k, cos=None, sin=None, position_ids=None, offset=0, rotary_dim=None,
 
 
 def make_inputs(shape, dtype, device, generator=None):
-    """shape = (batch, seq, q_heads, kv_heads, head_dim); Hugging Face per-token cos/sin (B, S, D) in dtype."""
-    B, S, HQ, HK, D = shape
+    """shape = (batch, seq, q_heads, kv_heads, head_dim[, "positions"]); Hugging Face per-token cos/sin (B, S, D) in
+    dtype, or with "positions" a (max_pos, D // 2) cos/sin table and kwargs {'position_ids'}: (B, S) int64
+    positions drawn at random from the table's."""
+    B, S, HQ, HK, D = shape[:5]
     q = torch.randn((B, S, HQ, D), dtype=dtype, device=device, generator=generator)
     k = torch.randn((B, S, HK, D), dtype=dtype, device=device, generator=generator)
+    if shape[5:] == ("positions",):
+        max_pos = 2 * S + 3
+        inv = _inv_freq(D, 10000.0, torch.device("cpu")).to(device)
+        angle = torch.arange(max_pos, device=device)[:, None].float() * inv
+        pos = torch.randint(0, max_pos, (B, S), device=device, generator=generator)
+        return (q, k, angle.cos().to(dtype), angle.sin().to(dtype)), {"position_ids": pos}
     start = torch.randint(0, 64, (B, 1), device=device, generator=generator)
     pos = start + torch.arange(S, device=device)
     angle = pos.float()[..., None] * _inv_freq(D, 10000.0, torch.device("cpu")).to(device)
@@ -488,7 +496,10 @@ def _liger_loader():
 
 register(OpSpec(
     name="rope", fn=rope, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1),
-    test_shapes=[(1, 3, 2, 1, 8), (2, 37, 5, 3, 64), (3, 17, 4, 4, 80), (1, 129, 3, 1, 128)],
+    test_shapes=[(1, 3, 2, 1, 8), (2, 37, 5, 3, 64), (3, 17, 4, 4, 80), (1, 129, 3, 1, 128),
+                 (2, 9, 4, 2, 16, "positions")],
+    # The table shape fuzzes position_ids's layouts too (read by index, through its strides).
+    layout_shape=[(3, 17, 4, 4, 80), (2, 9, 4, 2, 16, "positions")],
     bench_shapes=[(4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128), (8, 2048, 32, 32, 128)],
     latency_shapes=[(64, 1, 32, 8, 128)],
     competitors={"liger": _liger_loader},

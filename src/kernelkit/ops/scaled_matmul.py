@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost
-from ..testing.poison import empty
-from ..tune import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
+from ..runtime.alloc import empty
+from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._dispatch import dispatch
 from ._gemm import grouped_tile, tile_configs

@@ -34,6 +34,7 @@ import types
 
 import torch
 
+from ..ops.registry import get
 from .families import ACTIVATIONS, FAMILIES, Family, find_family
 from .report import PatchReport, Replacement
 
@@ -79,7 +80,6 @@ def _bind(undo: _Undo, module, forward, settings) -> None:
 
 
 def _patch_norms(model, fam: Family, report, undo) -> None:
-    from ..ops.registry import get
     from .modules import norm_forward, norm_settings
 
     names = set(fam.norms) | {n for n in get("rms_norm").replaces if "::" not in n}

@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from ..tune import interpreting
+from ..ops.attention import attention
+from ..runtime import interpreting
 
 NAME = "kernelkit"
 # What kernelkit.ops.attention.attention takes (its validate() raises otherwise): calls outside fall back.
@@ -260,8 +261,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             report.fell_back("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          causal, kwargs)
-    from ..ops.attention import attention
-
     window = sliding_window - 1 if sliding_window else None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if runs is None:

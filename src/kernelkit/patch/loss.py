@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..ops.linear_cross_entropy import linear_cross_entropy
 from .modules import CPU_REASON, runs_kernels
 from .report import PatchReport
 
@@ -45,10 +46,6 @@ def loss_settings(model, family, report: PatchReport) -> LossSettings | str:
         return "custom loss_function"
     if "forward" in vars(model):
         return "forward already replaced on this instance"
-    try:
-        from ..ops.linear_cross_entropy import linear_cross_entropy
-    except ImportError as e:
-        return f"kernelkit.ops.linear_cross_entropy unavailable ({e})"
     params = inspect.signature(type(model).forward).parameters.values()
     names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)[1:]  # without self
     if "labels" not in names:

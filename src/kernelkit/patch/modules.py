@@ -17,7 +17,11 @@ from typing import Callable
 
 import torch
 
-from ..tune import interpreting
+from ..runtime import interpreting
+from ..ops import glu
+from ..ops.moe import moe_experts
+from ..ops.rms_norm import rms_norm
+from ..ops.rope import rope
 from .report import PatchReport
 
 CPU_REASON = "CPU tensor outside the Triton interpreter"
@@ -47,8 +51,6 @@ def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(self, kk.eps_attr)
     if eps is None:  # torch.nn.RMSNorm's default
         eps = torch.finfo(x.dtype).eps
-    from ..ops.rms_norm import rms_norm
-
     return rms_norm(x, w, eps=eps, offset=kk.offset)
 
 
@@ -88,8 +90,6 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def mlp_settings(module: torch.nn.Module, family, activations: dict, report: PatchReport) -> MLPSettings | str:
-    import kernelkit
-
     act = getattr(module, family.mlp_activation, None)
     name = type(act).__name__
     if name not in activations:
@@ -102,7 +102,7 @@ def mlp_settings(module: torch.nn.Module, family, activations: dict, report: Pat
     missing = [a for a in needed if not hasattr(module, a)]
     if missing:
         return f"no {', '.join(missing)}"
-    return MLPSettings(getattr(kernelkit, op), dict(kwargs), fused, report)
+    return MLPSettings(getattr(glu, op), dict(kwargs), fused, report)
 
 
 # --- rope: the attention forward, its module globals with the rope function swapped ---
@@ -116,8 +116,6 @@ def rope_function(original: Callable, report: PatchReport) -> Callable:
         if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad:
             report.fell_back("rope", CPU_REASON if not runs_kernels(q) else "cos/sin not per-token (B, S, D)")
             return original(q, k, cos, sin, unsqueeze_dim)
-        from ..ops.rope import rope
-
         return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
 
     return apply_rotary_pos_emb
@@ -178,8 +176,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if reason is not None:
         kk.report.fell_back("moe", reason)
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-    from ..ops.moe import moe_experts
-
     return moe_experts(hidden_states, top_k_weights, gate_up, down, top_k_index)
 
 

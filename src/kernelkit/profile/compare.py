@@ -19,6 +19,7 @@ from ..hw.ceilings import Ceilings
 from .analysis import Report, Thresholds, analyze
 from .projection import PATCH_SWITCH, SWITCHES, patch_module
 from .trace import Trace
+from .trace import measure as measure_on_gpu
 
 
 def _groups(trace: Trace) -> dict[tuple, tuple[Counter, float]]:
@@ -67,8 +68,6 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
     the patch replaced something for, and `total`: projected and measured saving per step, and the step's
     wall and GPU time before and after, and the calls that fell back to the model's own code with the reason
     (also notes of the patched report): the profiler's own hooks never cause one."""
-    from .trace import measure as measure_on_gpu
-
     measure = measure or measure_on_gpu
     step = progress or (lambda label: None)
     kpatch = patch_module()

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ..roofline.model import Cost, dtype_key
+from ..ops import registry
 
 # FLOPs per element of the (largest) input, as the registry's cost models count them: forward, backward.
 PER_ELEMENT_FLOPS = {
@@ -286,8 +287,6 @@ def kernelkit_cost(call: KernelkitCall) -> tuple[Cost, str]:
     floating = [t for t in ts if getattr(torch, t.dtype).is_floating_point]
     dkey = dtype_key(getattr(torch, floating[0].dtype)) if floating else "fp32"
     try:
-        from ..ops import registry
-
         spec = registry.all_ops().get(call.op)
         if spec is not None:
             conv = [v.meta() if isinstance(v, TensorSpec) else v for v in call.args]

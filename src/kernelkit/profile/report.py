@@ -50,7 +50,7 @@ def _summary(rep: Report) -> str:
         s = f"summed roofline floors {rep.gpu_ms:.3f} ms per step"
     c = rep.ceilings
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in (c.get("tflops") or {}).items() if v)
-    return (f"{s}; {rep.steps} step(s). Ceilings ({c.get('source', '')}): {c.get('copy_gbps', 0):.0f} GB/s, "
+    return (f"{s}; {rep.steps} step(s). Ceilings ({c.get('source', '')}): {c.get('mem_gbps') or c.get('copy_gbps', 0):.0f} GB/s, "
             f"{peaks} TFLOP/s, launch {c.get('launch_us', 0):.1f} us")
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .kineto import attribute, load_events
 from .costs import attention_flops, extent_bytes, kernelkit_cost, op_cost, parse_range, tensors
 from ..patch.loss import observer
 from ..roofline.model import Cost, dtype_key
@@ -472,8 +473,6 @@ def _export(prof) -> list[dict]:
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        from .kineto import load_events
-
         return load_events(path)
     finally:
         os.unlink(path)
@@ -510,8 +509,6 @@ def measure(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, bac
     """Profile `steps` steps on the GPU (after `warmup` untimed ones), twice: once plain for the timeline
     (launch gaps), once under the dispatch mode for per-call kernel time, shapes, FLOPs and bytes."""
     from torch.profiler import ProfilerActivity
-
-    from .kineto import attribute
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     for _ in range(warmup):

@@ -49,8 +49,11 @@ def place(cost: Cost, ceilings: Ceilings, measured_ms: float | None = None,
     The regime is whichever floor is larger, except that an op whose floor is under
     `overhead_factor` x the launch floor and whose measured time is near the launch floor is
     overhead-bound: no kernel makes it faster, only fewer launches do.
+
+    The memory roof is `ceilings.mem_gbps`, the best the memory does (a copy, an add or a read-only sum,
+    whichever is fastest), not `copy_gbps`: an op that reads two bytes per byte written outruns a copy.
     """
-    memory_ms = cost.bytes / (ceilings.copy_gbps * 1e9) * 1e3
+    memory_ms = cost.bytes / (ceilings.mem_gbps * 1e9) * 1e3
     peak = ceilings.tflops.get(cost.dtype) or ceilings.tflops.get("fp32") or 0.0
     compute_ms = cost.flops / (peak * 1e12) * 1e3 if peak else 0.0
     floor = max(memory_ms, compute_ms)

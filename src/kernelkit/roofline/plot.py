@@ -69,7 +69,7 @@ def roofline_png(points: list[dict], ceilings: Ceilings, path: str | Path, title
 
     pts = [p for p in points if p.get("intensity", 0) > 0 and p.get("tflops")]
     lines = roofs(ceilings)
-    bw = ceilings.copy_gbps * 1e9
+    bw = ceilings.mem_gbps * 1e9
     ridge = max((peak * 1e12 / bw for _, peak in lines), default=100.0)
     xs_data = [p["intensity"] for p in pts]
     lo = min(xs_data + [ridge / 1e3]) / 2
@@ -81,7 +81,7 @@ def roofline_png(points: list[dict], ceilings: Ceilings, path: str | Path, title
     for (label, peak), style in zip(lines, styles * 3):
         ax.plot(xs, np.minimum(peak, xs * bw / 1e12), linestyle=style, lw=1.3, color="k", alpha=0.75,
                 label=f"{label} roof: {peak:,.0f} TFLOP/s")
-    ax.plot([], [], " ", label=f"memory roof: {ceilings.copy_gbps:,.0f} GB/s")
+    ax.plot([], [], " ", label=f"memory roof: {ceilings.mem_gbps:,.0f} GB/s")
     for regime, color in REGIME_COLORS.items():
         sel = [p for p in pts if p.get("regime", "memory") == regime]
         if sel:

@@ -143,7 +143,7 @@ def env_fingerprint(ceilings: Ceilings | None = None) -> dict:
     if torch.cuda.is_available():
         env.update(device_fingerprint())
     if ceilings is not None:
-        env["ceilings"] = {"copy_gbps": ceilings.copy_gbps, "tflops": ceilings.tflops,
+        env["ceilings"] = {"mem_gbps": ceilings.mem_gbps, "copy_gbps": ceilings.copy_gbps, "tflops": ceilings.tflops,
                            "launch_us": ceilings.launch_us}
     try:
         import liger_kernel  # noqa: F401

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..tune import interpreting
-from .poison import poisoned_outputs
+from ..runtime import interpreting
+from ..runtime.alloc import poisoned_outputs
 
 # Relative norm error allowed against the float64 reference, by the dtype the op computes in.
 TOLERANCES: dict[torch.dtype, float] = {

@@ -7,6 +7,12 @@ column-major view, a stepped slice, a view with a storage offset (16-byte aligne
 view does not cover is poisoned (NaN, or an out-of-range integer), so a kernel that reads with the wrong
 stride or past the view gets a wrong, usually non-finite, result instead of a lucky one.
 
+Integer arguments (class targets, sequence offsets, position and expert ids) and scale tensors take the same
+layouts: a launcher validates their values through the view, so a kernel that reads them by index from the
+raw storage computes with values nobody checked. An op whose index arguments exist only at some shapes
+(attention's cu_seqlens with packed sequences, rope's position_ids with a cos/sin table) lists those shapes
+in its `layout_shape`, and each is fuzzed.
+
 `layout_cases(spec, ...)` yields (description, args, kwargs) for each argument × layout, and
 `check_layouts` runs the correctness harness (float64 reference, forward and backward) on each.
 """
@@ -62,9 +68,10 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor | None:
         base = _poisoned((t.numel() + 2 * k,), t)
         out = base[k:k + t.numel()].view(t.shape)
     elif kind == "expanded":
-        # Broadcast values: only for floating tensors (integer arguments carry indices whose repetition
-        # would change what the op means, cumulative sequence lengths say), and only along a real dim.
-        if not t.is_floating_point() or t.shape[0] < 2:
+        # Broadcast values along a real dim 0. Integers only as rows of ids (position or expert ids of one
+        # sequence or token for all): a 1-D integer argument may hold offsets, whose repetition would change
+        # what the op means (cumulative sequence lengths, say).
+        if t.shape[0] < 2 or not t.is_floating_point() and t.dim() < 2:
             return None
         return t[:1].clone().expand(t.shape)
     else:
@@ -73,24 +80,37 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor | None:
     return out
 
 
-def layout_shape(spec) -> tuple:
-    """The op's layout shape, or its smallest test shape with every size above 1 (a layout of a size-1 dim
-    is no layout)."""
+def layout_shapes(spec) -> list[tuple]:
+    """The shapes the fuzz runs: the op's layout shape (a list of them where some arguments exist only at some
+    shapes), or its smallest test shape with every size above 1 (a layout of a size-1 dim is no layout)."""
+    if isinstance(spec.layout_shape, list):
+        return list(spec.layout_shape)
     if spec.layout_shape is not None:
-        return spec.layout_shape
+        return [spec.layout_shape]
     shapes = [s for s in spec.test_shapes if all(isinstance(d, bool) or not isinstance(d, int) or d > 1 for d in s)]
-    return min(shapes or spec.test_shapes, key=lambda s: sum(d for d in s if isinstance(d, int)))
+    return [min(shapes or spec.test_shapes, key=lambda s: sum(d for d in s if isinstance(d, int)))]
 
 
-def layout_cases(spec, dtype, device, shape=None, layouts=LAYOUTS, seed: int = 0
+def layout_shape(spec) -> tuple:
+    """The first of `layout_shapes`: the one shape where an op's inputs are wanted in no layout in particular."""
+    return layout_shapes(spec)[0]
+
+
+def _tensor_keys(args, kwargs) -> set:
+    return {i for i, a in enumerate(args) if isinstance(a, torch.Tensor)} | \
+        {k for k, a in kwargs.items() if isinstance(a, torch.Tensor)}
+
+
+def layout_cases(spec, dtype, device, shape=None, layouts=LAYOUTS, seed: int = 0, skip=frozenset()
                  ) -> Iterator[tuple[str, list, dict]]:
-    """(what, args, kwargs) for every tensor argument of `spec`'s inputs in every layout that applies."""
+    """(what, args, kwargs) for every tensor argument of `spec`'s inputs in every layout that applies, but those
+    whose position or keyword is in `skip`."""
     dtype = as_dtype(dtype)
     shape = shape or layout_shape(spec)
     gen = torch.Generator(device=device).manual_seed(seed)
     args, kwargs = spec.make_inputs(shape, dtype, device, gen)
     for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or i in skip:
             continue
         for kind in layouts:
             moved = relayout(a, kind) if (i, kind) not in spec.layout_skip else None
@@ -100,7 +120,7 @@ def layout_cases(spec, dtype, device, shape=None, layouts=LAYOUTS, seed: int = 0
             new[i] = moved
             yield f"args[{i}] {kind} {tuple(moved.stride())}+{moved.storage_offset()}", new, dict(kwargs)
     for name, a in kwargs.items():
-        if not isinstance(a, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or name in skip:
             continue
         for kind in layouts:
             moved = relayout(a, kind)
@@ -111,17 +131,27 @@ def layout_cases(spec, dtype, device, shape=None, layouts=LAYOUTS, seed: int = 0
 
 def check_layouts(spec, dtype, device, shape=None, layouts=LAYOUTS) -> tuple[CheckReport, int]:
     """Run `check` (float64 reference, poisoned outputs, gradients of `spec.grad_args`) on every layout
-    case of `spec`. Returns the merged report (failures prefixed by the case) and the number of cases."""
+    case of `spec`, at `shape` or at each of `layout_shapes(spec)`: every tensor argument at the first, and
+    at each further shape the tensor arguments the first has not (cu_seqlens, say: the interpreter's time goes
+    where the layouts are new). Returns the merged report (failures prefixed by the case, and by the shape
+    after the first) and the number of cases."""
     dtype = as_dtype(dtype)
     merged, count = CheckReport(), 0
     name = str(dtype).replace("torch.", "")
     tol = spec.tolerances.get(name)
-    for what, args, kwargs in layout_cases(spec, dtype, device, shape, layouts):
-        count += 1
-        case_tol = next((by_dtype[name] for prefix, by_dtype in spec.layout_tolerances.items()
-                         if what.startswith(prefix + " ") and name in by_dtype), tol)
-        rep = check(spec.fn, spec.reference, args, kwargs, grad_args=spec.grad_args, tol=case_tol, run_twice=False)
-        for k, v in rep.errors.items():
-            merged.errors[f"{what}: {k}"] = v
-        merged.failures += [f"{what}: {f}" for f in rep.failures]
+    shapes = [shape] if shape is not None else layout_shapes(spec)
+    seen: set = set()
+    for i, at in enumerate(shapes):
+        if i == 1:
+            seen = _tensor_keys(*spec.make_inputs(shapes[0], dtype, device, torch.Generator(device=device)))
+        for what, args, kwargs in layout_cases(spec, dtype, device, at, layouts, skip=seen):
+            count += 1
+            case_tol = next((by_dtype[name] for prefix, by_dtype in spec.layout_tolerances.items()
+                             if what.startswith(prefix + " ") and name in by_dtype), tol)
+            rep = check(spec.fn, spec.reference, args, kwargs, grad_args=spec.grad_args, tol=case_tol,
+                        run_twice=False)
+            what = f"{what} at {at}" if i else what
+            for k, v in rep.errors.items():
+                merged.errors[f"{what}: {k}"] = v
+            merged.failures += [f"{what}: {f}" for f in rep.failures]
     return merged, count

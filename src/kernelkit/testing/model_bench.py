@@ -84,9 +84,9 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
             return {**row, "skipped": "Liger-Kernel is not installed"}
         _apply_liger_kernel_to_instance(model=model)
     if variant.startswith("kernelkit"):
-        import kernelkit
+        from ..patch import patch  # transformers' model classes, loaded with the variant that needs them
 
-        report = kernelkit.patch(model)
+        report = patch(model)
     run = torch.compile(model) if variant.endswith("compile") else model
 
     def step():

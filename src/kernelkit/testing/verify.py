@@ -36,7 +36,8 @@ import torch
 
 from .correctness import (TOLERANCES, CheckReport, _bitwise_equal, compare, leaves, rel_error, rounded_like_backend,
                           structure, structure_mismatch)
-from .poison import poisoned_outputs
+from ..runtime.alloc import poisoned_outputs
+from .bench import time_ms
 
 PASS, FAIL, WARN, SKIP, INFO = "pass", "fail", "warn", "skip", "info"
 CHECKS = ("correctness", "poisoned memory", "input scales", "sizes", "caching", "determinism", "pending work",
@@ -487,8 +488,6 @@ def _timing(s: _Session, pending: Finding) -> Finding:
         return Finding("timing", SKIP, "GPU only (do_bench with L2 flushed, vs eager and torch.compile)")
     if pending.result == FAIL:  # events on the current stream would time the launch, not the work
         return Finding("timing", SKIP, "not timed: the candidate returns before its work is done (pending work)")
-    from .bench import time_ms
-
     xs = s.inputs(800)
     times, notes = {}, []
     with torch.no_grad():
@@ -538,14 +537,15 @@ def check_module(candidate: Callable, reference: Callable, make_inputs: Callable
     """Verify `candidate(*inputs)` against `reference(*inputs)` on inputs from `make_inputs()`.
 
     candidate, reference: nn.Modules (moved to `device`) or plain callables taking the inputs positionally;
-    outputs a tensor or a tuple/list of them. The candidate must return the reference's structure (the "output
-    structure" check): a tensor where the reference returns a tensor, so ``(out,)`` for ``out`` fails; a tuple or
-    list (the two alike) of the same length where it returns a tuple or list; None where it returns None; the
-    tensors of the same shapes ("correctness" also compares their dtypes). make_inputs: returns a fresh list of inputs from the global
-    RNG (KernelBench's get_inputs), called once per case after seeding, so every trial has new values.
-    device: where inputs go (default: the first input's device). rtol replaces the output dtype's relative-
-    norm tolerance (TOLERANCES: 1e-5 for float32); with atol, an output within |out - ref| <= atol + rtol|ref|
-    everywhere passes too. Returns a `VerifyReport` with one `Finding` per check in `CHECKS`.
+    outputs a tensor or a tuple/list of them. The candidate must return the reference's structure (the
+    "output structure" check): a tensor where the reference returns a tensor, so ``(out,)`` for ``out``
+    fails; a tuple or list (the two alike) of the same length where it returns a tuple or list; None where
+    it returns None; tensors of the same shapes ("correctness" also compares their dtypes). make_inputs:
+    returns a fresh list of inputs from the global RNG (KernelBench's get_inputs), called once per case
+    after seeding, so every trial has new values. device: where inputs go (default: the first input's
+    device). rtol replaces the output dtype's relative-norm tolerance (TOLERANCES: 1e-5 for float32); with
+    atol, an output within |out - ref| <= atol + rtol|ref| everywhere passes too. Returns a `VerifyReport`
+    with one `Finding` per check in `CHECKS`.
     """
     if trials < 1:
         raise ValueError(f"trials={trials}: check_module needs trials >= 1")

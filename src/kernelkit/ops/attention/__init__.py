@@ -17,6 +17,7 @@ and the cost model.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -209,7 +210,15 @@ def cost(q, k, v, causal=False, window=None, softcap=None, cu_seqlens=None, max_
 
 
 def make_inputs(shape, dtype, device, generator=None):
-    """shape = (batch, seq, heads, head_dim[, causal[, seq_k[, heads_kv]]]): q, k, v and kwargs {'causal': ...}."""
+    """shape = (batch, seq, heads, head_dim[, causal[, seq_k[, heads_kv]]]): q, k, v and kwargs {'causal': ...};
+    packed sequences: shape = ((len0, len1, ...), heads, head_dim[, causal[, heads_kv]]): q, k, v of shape
+    (total_tokens, heads, head_dim) and kwargs {'causal', 'cu_seqlens' (int32), 'max_seqlen'}."""
+    if isinstance(shape[0], tuple):
+        lens, h, d, causal, h_k = (*shape, *(False, shape[1])[len(shape) - 3:])
+        q = torch.randn((sum(lens), h, d), dtype=dtype, device=device, generator=generator)
+        k, v = (torch.randn((sum(lens), h_k, d), dtype=dtype, device=device, generator=generator) for _ in range(2))
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+        return (q, k, v), {"causal": bool(causal), "cu_seqlens": cu, "max_seqlen": max(lens)}
     b, s, h, d, causal, s_k, h_k = (*shape, *(False, shape[1], shape[2])[len(shape) - 4:])
     q = torch.randn((b, s, h, d), dtype=dtype, device=device, generator=generator)
     k, v = (torch.randn((b, s_k, h_k, d), dtype=dtype, device=device, generator=generator) for _ in range(2))
@@ -280,7 +289,10 @@ def _flex_loader():
 
 register(OpSpec(
     name="attention", fn=attention, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1, 2),
-    test_shapes=[(1, 1, 2, 32), (2, 37, 2, 32, True), (1, 70, 3, 64), (2, 19, 4, 64, True), (2, 5, 4, 32, True, 23, 2)],
+    test_shapes=[(1, 1, 2, 32), (2, 37, 2, 32, True), (1, 70, 3, 64), (2, 19, 4, 64, True), (2, 5, 4, 32, True, 23, 2),
+                 ((9, 0, 23), 4, 32, True, 2)],
+    # The packed shape fuzzes cu_seqlens's layouts too (issue 26: a stepped view was read as raw storage).
+    layout_shape=[(2, 5, 4, 32, True, 23, 2), ((5, 7, 8), 2, 32, True)],
     bench_shapes=[(16384 // s, s, 2048 // d, d, c) for d in (64, 128) for s in (512, 1024, 2048, 4096, 8192, 16384)
                   for c in (False, True)],
     latency_shapes=[(1, 1, 32, 128, False, 8192, 8), (16, 1, 32, 128, False, 4096, 8)],  # decoding, GQA 4:1

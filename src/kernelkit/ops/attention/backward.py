@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...testing.poison import empty
-from ...tune import autotune, cdiv, interpreting, launch
+from ...runtime.alloc import empty
+from ...runtime import autotune, cdiv, interpreting, launch
 from .. import _validate
 from .tiles import (LOG2E, NEG_INF, allowed, block_d, kv_block_range, load_tile, mma, row_strides, scores, seq_key,
                     sequence_bounds, store_tile, tile_configs, tile_source, use_tma)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune import ensure_tma_allocator, interpreting, next_pow2
+from ...runtime import ensure_tma_allocator, interpreting, next_pow2
 
 # None: tensor descriptors on sm_90+ GPUs when every tensor allows them, pointers elsewhere. Tests force either.
 USE_TMA: Optional[bool] = None

@@ -20,7 +20,7 @@ def _tuning_notice(describe):
     """While a command runs: `describe(text)` when the autotuner starts timing configs for a new shape (a first
     call can take seconds to minutes; the persistent cache makes the next process skip it). Returns a function
     giving the summary line: how many kernel keys were tuned and how long it took."""
-    from . import tune
+    from .. import runtime as tune
 
     before = (tune.tuned_keys, tune.tuning_seconds)
     tune.on_tune = lambda event, rec: describe(f"tuning {rec['kernel']} for a new shape (cached afterwards)") \
@@ -47,7 +47,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 def _op_dtype(dtype: str, allow_all: bool) -> str:
     """--dtype as the harness names it (fp16 -> float16), or a usage error naming the choices."""
-    from .testing.correctness import DTYPES
+    from ..testing.correctness import DTYPES
 
     if allow_all and dtype == "all":
         return dtype
@@ -62,7 +62,7 @@ def _op_dtype(dtype: str, allow_all: bool) -> str:
 def _specs(op: str, dtype: str) -> list:
     """The registered ops `op` names ('all': every one) that run in `dtype`; a usage error for an unknown op or a
     dtype the op does not run in. 'all' leaves out, and says so, the ops without that dtype."""
-    from .ops import registry
+    from ..ops import registry
 
     try:
         specs = [registry.get(n) for n in (sorted(registry.all_ops()) if op == "all" else [op])]
@@ -92,13 +92,13 @@ def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and 
 
     import torch
 
-    from .hw import DATASHEETS, lookup, measure_ceilings
+    from ..hw import DATASHEETS, lookup, measure_ceilings
 
     measured = None
     if torch.cuda.is_available():
         from rich.progress import BarColumn, Progress, TextColumn
 
-        steps = ["copy bandwidth", "bf16", "fp16", "fp8", "tf32", "fp32", "launch floor"]
+        steps = ["memory bandwidth", "bf16", "fp16", "fp8", "tf32", "fp32", "launch floor"]
         with Progress(TextColumn("[bold]measuring[/] {task.description}"), BarColumn(), console=console,
                       transient=True) as bar:
             task = bar.add_task("", total=len(steps))
@@ -119,9 +119,10 @@ def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and 
     for col in ("ceiling", "datasheet", "measured", "% of datasheet", "ridge (FLOP/B)"):
         table.add_column(col, justify="left" if col == "ceiling" else "right")
     bw_ds = spec.mem_gbps if spec else None
-    bw_me = measured.copy_gbps if measured else None
-    table.add_row("memory GB/s (copy, read+write)", _fmt(bw_ds, ".0f"), _fmt(bw_me, ".0f"),
-                  _fmt(100 * bw_me / bw_ds if bw_me and bw_ds else None), "")
+    for label, bw_me in (("memory GB/s (roof: best of copy, add, sum)", measured.mem_gbps if measured else None),
+                         ("memory GB/s (copy, read+write)", measured.copy_gbps if measured else None)):
+        table.add_row(label, _fmt(bw_ds, ".0f"), _fmt(bw_me, ".0f"),
+                      _fmt(100 * bw_me / bw_ds if bw_me and bw_ds else None), "")
     for key in ("bf16", "fp16", "fp8", "tf32", "fp32"):
         ds = spec.tflops.get(key) if spec else None
         me = measured.tflops.get(key) if measured else None
@@ -167,7 +168,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
     import torch
 
     if op == "model":
-        from .testing.model_bench import VARIANTS, print_rows, run_model_bench
+        from ..testing.model_bench import VARIANTS, print_rows, run_model_bench
 
         if not torch.cuda.is_available():
             console.print("[red]kernelkit bench model needs a CUDA GPU[/].")
@@ -185,9 +186,9 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         console.print(f"wrote {out / 'model.json'} and {out / 'model.png'}")
         return
 
-    from .hw import measure_ceilings
-    from .testing.bench import append_to_table, plot, print_table, write_json
-    from .testing.suite import run_suite
+    from ..hw import measure_ceilings
+    from ..testing.bench import append_to_table, plot, print_table, write_json
+    from ..testing.suite import run_suite
 
     # Every option is checked before anything runs: a typo is a one-line usage error, not a traceback later.
     dtype = _op_dtype(dtype, allow_all=False)
@@ -219,7 +220,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         print_table(rows, title=f"{name} ({dtype}) on {ceilings.gpu}: copy {ceilings.copy_gbps:.0f} GB/s, "
                                 f"bf16 {ceilings.tflops.get('bf16') or 0:.0f} TF", console=console)
         path = write_json(rows, out / f"{name}.json", ceilings, op=name, dtype=dtype)
-        from .tune import chosen_configs
+        from ..runtime import chosen_configs
 
         (out / f"{name}.configs.json").write_text(json.dumps(chosen_configs(), indent=1))
         big = [r for r in rows if r.mode == "fwd" or r.mode == "bwd"]
@@ -296,7 +297,7 @@ def check(op: str = typer.Argument(..., help="registered op name, or 'all'; or a
         console.print(f"[red]--device {device}: no CUDA GPU is visible[/]; "
                       "run on a GPU, or use --device cpu with TRITON_INTERPRET=1.", soft_wrap=True)
         raise typer.Exit(2)
-    from .tune import kernels_interpreted
+    from ..runtime import kernels_interpreted
 
     if device == "cpu" and (os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not kernels_interpreted()):
         console.print("[red]--device cpu runs the kernels in Triton's interpreter[/]: "
@@ -325,9 +326,9 @@ def _check_here(specs, dtype: str, device: str, trials: int, small: bool, layout
     """Run the checks of `specs` in this process, one progress line per op; returns one row per check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from .testing import check_spec
-    from .testing.correctness import quick_shapes
-    from .testing.layouts import check_layouts, layout_shape
+    from ..testing import check_spec
+    from ..testing.correctness import quick_shapes
+    from ..testing.layouts import check_layouts, layout_shape
 
     plan = []  # (spec, dtype, shape): one check each
     for spec in specs:
@@ -396,7 +397,7 @@ def _check_side_by_side(names: list[str], flags: list[str], jobs: int) -> list[d
     def one(name: str, tmp: Path):
         out = tmp / f"{name}.json"
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "kernelkit.cli", "check", name, *flags, "--rows-json", str(out)],
+        r = subprocess.run([sys.executable, "-m", "kernelkit.commands.cli", "check", name, *flags, "--rows-json", str(out)],
                            capture_output=True, text=True)
         secs = time.perf_counter() - t0
         if r.returncode == 0 and out.is_file():
@@ -490,8 +491,8 @@ def _check_files(candidate: Path, reference: Optional[Path], device: Optional[st
               "set TRITON_INTERPRET=1 (e.g. TRITON_INTERPRET=1 kernelkit check ...).")
     notes = []
 
-    from .testing.problem_files import CandidateError, ProblemError, load_problem
-    from .testing.verify import CHECKS, FAIL, Finding, VerifyReport, check_module
+    from ..testing.problem_files import CandidateError, ProblemError, load_problem
+    from ..testing.verify import CHECKS, FAIL, Finding, VerifyReport, check_module
 
     try:
         problem = load_problem(candidate, reference)
@@ -547,19 +548,19 @@ def ladder(kind: Optional[str] = typer.Argument(None, help="sgemm (fp32 on the C
                                                                  "needed)")):
     """The matmul optimization ladder: each rung a real kernel, checked against float64, timed next to cuBLAS,
     with the profiler counters that show its step landed. Exit 1 when a rung is wrong or fails, 2 for usage."""
-    from .ladder.run import main
+    from ..ladder.run import main
 
     code = main(kind, size, json_out, plot, not no_ncu, rungs, list_rungs, console)
     if code:
         raise typer.Exit(code)
 
 
-from .tune.cli import tune_command  # noqa: E402
+from .tune import tune_command  # noqa: E402
 
 app.command("tune")(tune_command)
 
 try:  # the profiler registers its own command when its package is present
-    from .profile.cli import profile_command
+    from .profile import profile_command
 
     app.command("profile")(profile_command)
 except ImportError:  # pragma: no cover

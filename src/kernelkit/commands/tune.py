@@ -8,7 +8,7 @@ persistent tuning cache (`tune/cache.py`).
 
 Tuning runs each op's forward and backward once through the registry (`spec.make_inputs`, `spec.fn`); every
 kernel the call launches for the first time is tuned there and stored, or found in the cache. This module is
-command code: it reads the registry and the profiler from inside the command, as `kernelkit.cli` does.
+command code: it reads the registry and the profiler from inside the command, as `kernelkit.commands.cli` does.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def tune_calls(plan: list[tuple], device: str, backward: bool = True, progress=N
     it failed, or None}."""
     import torch
 
-    from .. import tune
+    from .. import runtime as tune
 
     rows = []
     for i, (spec, shape, dtype) in enumerate(plan):
@@ -178,7 +178,7 @@ def _short(v, width: int = 60) -> str:
 
 
 def _here() -> dict | None:
-    from . import cache
+    from ..runtime import cache
 
     try:
         return cache.fingerprint() if _device() == "cuda" else None
@@ -189,7 +189,7 @@ def _here() -> dict | None:
 def _print_list(console) -> None:
     from rich.table import Table
 
-    from . import cache
+    from ..runtime import cache
 
     found, here = cache.files(), _here()
     if not found:
@@ -255,7 +255,7 @@ def tune_command(
     from rich.console import Console
     from rich.markup import escape
 
-    from . import cache
+    from ..runtime import cache
 
     console = Console()
 
@@ -293,8 +293,8 @@ def tune_command(
 def _run_plan(plan, backward, console, fail, env) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from .. import tune
-    from . import cache
+    from .. import runtime as tune
+    from ..runtime import cache
 
     if env.get("KERNELKIT_TUNE") == "first":
         fail("KERNELKIT_TUNE=first is set: kernels take their first config and nothing is tuned; unset it")

@@ -39,6 +39,9 @@ from pathlib import Path
 import triton
 from triton.runtime.jit import JITFunction
 
+from .._version import __version__
+from ..hw.ceilings import cache_dir as ceilings_cache_dir
+
 FORMAT, VERSION = "kernelkit-tune-cache", 1
 EXPORT_FORMAT = "kernelkit-tune-export"
 LOCK_TIMEOUT_S = 60.0  # a store that waits longer is skipped (with a warning): a launch never hangs on a lock
@@ -55,9 +58,7 @@ def enabled() -> bool:
 
 def cache_dir() -> Path:
     """Where the tuning files live: `tune/` under the directory of the measured ceilings (KERNELKIT_CACHE)."""
-    from ..hw.ceilings import cache_dir as root
-
-    return root() / "tune"
+    return ceilings_cache_dir() / "tune"
 
 
 # --- the key ---
@@ -84,8 +85,6 @@ def _driver_version() -> str:
 @functools.lru_cache(maxsize=None)
 def _fingerprint(index: int) -> tuple:
     import torch
-
-    from .. import __version__
 
     props = torch.cuda.get_device_properties(index)
     return (("gpu", props.name), ("capability", f"{props.major}.{props.minor}"), ("sms", props.multi_processor_count),

@@ -76,11 +76,11 @@ def profile_command(
     from rich.markup import escape
 
     from ..hw.ceilings import ceilings_for
-    from .analysis import Thresholds, analyze, time_calls
-    from .examples import build_example
-    from .projection import patch_coverage
-    from .report import print_patch_comparison, print_report, write_reports
-    from .trace import measure, predict
+    from ..profile.analysis import Thresholds, analyze, time_calls
+    from ..profile.examples import build_example
+    from ..profile.projection import patch_coverage
+    from ..profile.report import print_patch_comparison, print_report, write_reports
+    from ..profile.trace import measure, predict
 
     # Logs and pipes get a wide table; a terminal gets its own width.
     console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -132,7 +132,7 @@ def profile_command(
         print_report(rep, console, top=top)
     after = None
     if patch:
-        from .compare import patch_comparison
+        from ..profile.compare import patch_comparison
 
         try:
             rep.patch, after = patch_comparison(model, inputs, ceilings, rep, th, steps=steps, backward=backward,
