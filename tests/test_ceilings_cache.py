@@ -48,7 +48,7 @@ def test_second_call_reads_the_cache(fake_gpu, tmp_path):
 
 def test_cache_key_includes_kernelkit_version(fake_gpu, tmp_path, monkeypatch):
     ceil_mod.measure_ceilings()
-    monkeypatch.setattr(_version, "__version__", "999.0.0")
+    monkeypatch.setattr(ceil_mod, "__version__", "999.0.0")  # what the key reads: kernelkit._version's
     ceil_mod.measure_ceilings()
     assert len(fake_gpu) == 2
     assert len(list((tmp_path / "ceilings").glob("*.json"))) == 2
