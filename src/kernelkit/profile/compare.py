@@ -18,8 +18,8 @@ from typing import Callable
 from ..hw.ceilings import Ceilings
 from .analysis import Report, Thresholds, analyze
 from .projection import PATCH_SWITCH, SWITCHES, patch_module
+from . import trace as _trace
 from .trace import Trace
-from .trace import measure as measure_on_gpu
 
 
 def _groups(trace: Trace) -> dict[tuple, tuple[Counter, float]]:
@@ -68,7 +68,7 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
     the patch replaced something for, and `total`: projected and measured saving per step, and the step's
     wall and GPU time before and after, and the calls that fell back to the model's own code with the reason
     (also notes of the patched report): the profiler's own hooks never cause one."""
-    measure = measure or measure_on_gpu
+    measure = measure or _trace.measure
     step = progress or (lambda label: None)
     kpatch = patch_module()
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kineto import attribute, load_events
+from . import kineto
 from .costs import attention_flops, extent_bytes, kernelkit_cost, op_cost, parse_range, tensors
 from ..patch.loss import observer
 from ..roofline.model import Cost, dtype_key
@@ -473,7 +473,7 @@ def _export(prof) -> list[dict]:
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        return load_events(path)
+        return kineto.load_events(path)
     finally:
         os.unlink(path)
 
@@ -517,12 +517,12 @@ def measure(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, bac
     torch.cuda.synchronize()
 
     prof, _, ran = profiled_steps(model, inputs, steps, backward, False, activities, torch.cuda.synchronize)
-    plain = attribute(_export(prof))
+    plain = kineto.attribute(_export(prof))
     timeline = [{"wall_us": max(st["last_end_us"] - st["start_us"], 0.0), "kernels": st["kernels"]}
                 for st in plain.steps]
 
     prof, records, _ = profiled_steps(model, inputs, steps, backward, True, activities, torch.cuda.synchronize)
-    att = attribute(_export(prof))
+    att = kineto.attribute(_export(prof))
     notes = []
     device_us = sum(e - s for st in att.steps for s, e in st["kernels"])
     if device_us == 0.0:
