@@ -61,7 +61,7 @@ from triton.testing import do_bench
 
 import kernelkit
 from kernelkit.hw import lookup
-from kernelkit.ops import _moe_gemm as G
+from kernelkit.ops.gemm import grouped as G
 from kernelkit.ops import moe as M
 from kernelkit.ops.mxfp8 import mxfp8_dequantize
 from kernelkit.ops import registry
@@ -169,16 +169,16 @@ def gate_up_rows(label, shape, args, rep, peak):
     if label.endswith("-decode"):
         row["weight_bytes"] = gate_up.numel() * gate_up.element_size()
     start = time.perf_counter()
-    M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")
+    M.grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")
     torch.cuda.synchronize()
     row["tune_s"] = round(time.perf_counter() - start, 2)
-    measure(row, "kernelkit", lambda: M._grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows,
+    measure(row, "kernelkit", lambda: M.grouped_gemm(x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows,
                                                       epilogue="swiglu"), flops, rep, peak)
     # the persistent TMA kernel on rows gathered beforehand (the gather not timed, as torch._grouped_mm's), and the
     # pointer kernel with the gather fused into its loads (KERNELKIT_MOE_PERSISTENT=0)
-    measure(row, "kernelkit_pregathered", lambda: M._grouped_gemm(x_perm, gate_up.transpose(1, 2), h, offs, inter,
+    measure(row, "kernelkit_pregathered", lambda: M.grouped_gemm(x_perm, gate_up.transpose(1, 2), h, offs, inter,
                                                                   epilogue="swiglu"), flops, rep, peak)
-    measure(row, "kernelkit_pointer", flagged(G, "PERSISTENT", False, lambda: M._grouped_gemm(
+    measure(row, "kernelkit_pointer", flagged(G, "PERSISTENT", False, lambda: M.grouped_gemm(
         x, gate_up.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu")), flops, rep, peak)
     measure(row, "torch._grouped_mm", lambda: torch._grouped_mm(x_perm, gate_up.transpose(1, 2), offs=offs[1:]),
             flops, rep, peak)
@@ -191,8 +191,8 @@ def gate_up_rows(label, shape, args, rep, peak):
         return gate_up_ratios(row)
     xq, xs = M.quantize_rows(x)
     guq, gus = M.quantize_rows(gate_up)
-    M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
-    measure(row, "kernelkit_fp8", lambda: M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows,
+    M.grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xs, b_scale=gus)
+    measure(row, "kernelkit_fp8", lambda: M.grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=rows,
                                                           epilogue="swiglu", a_scale=xs, b_scale=gus), flops, rep, peak)
     # MXFP8 operands quantized beforehand (the rows below say how they are multiplied)
     xm, xms = M.mxfp8_quantize(x)
@@ -206,13 +206,13 @@ def gate_up_rows(label, shape, args, rep, peak):
     # _kept: the weight's bf16 copy made beforehand, as keep_quantized_weights holds it), a bf16 GEMM writing h as
     # MXFP8. kernelkit_quantized_h: the bf16 GEMM on x itself writing h as MXFP8 (the fusion's cost vs kernelkit).
     for name, call in (
-            ("kernelkit_mxfp8_upcast", lambda: M._grouped_gemm(
+            ("kernelkit_mxfp8_upcast", lambda: M.grouped_gemm(
                 mxfp8_dequantize(xm, xms, bf), mxfp8_dequantize(gum, gums, bf).transpose(1, 2), hq, offs, inter,
                 a_idx=rows, epilogue="swiglu", c_scales=hs)),
-            ("kernelkit_mxfp8_upcast_kept", lambda: M._grouped_gemm(
+            ("kernelkit_mxfp8_upcast_kept", lambda: M.grouped_gemm(
                 mxfp8_dequantize(xm, xms, bf), gud.transpose(1, 2), hq, offs, inter, a_idx=rows, epilogue="swiglu",
                 c_scales=hs)),
-            ("kernelkit_quantized_h", lambda: M._grouped_gemm(x, gate_up.transpose(1, 2), hq, offs, inter, a_idx=rows,
+            ("kernelkit_quantized_h", lambda: M.grouped_gemm(x, gate_up.transpose(1, 2), hq, offs, inter, a_idx=rows,
                                                               epilogue="swiglu", c_scales=hs))):
         if not want(name):
             continue
@@ -226,7 +226,7 @@ def gate_up_rows(label, shape, args, rep, peak):
             raise LookupError("not measured (--only)")
         ref = torch._grouped_mm(mxfp8_dequantize(xm, xms)[rows], gud.transpose(1, 2), offs=offs[1:]).float()
         ref = F.silu(ref[:, :inter]) * ref[:, inter:]
-        M._grouped_gemm(mxfp8_dequantize(xm, xms, bf), gud.transpose(1, 2), hq, offs, inter, a_idx=rows,
+        M.grouped_gemm(mxfp8_dequantize(xm, xms, bf), gud.transpose(1, 2), hq, offs, inter, a_idx=rows,
                         epilogue="swiglu", c_scales=hs)
         row["kernelkit_mxfp8_upcast_quantized_h_max_rel_err"] = max_rel(mxfp8_dequantize(hq, hs, torch.float32), ref)
         del ref
@@ -239,7 +239,7 @@ def gate_up_rows(label, shape, args, rep, peak):
         G.MX_MODE = mode
         try:
             for out, scales, suffix in ((h, None, ""), (hq, hs, "_quantized_h")):
-                call = (lambda o, sc: lambda: M._grouped_gemm(xm, gum.transpose(1, 2), o, offs, inter, a_idx=rows,
+                call = (lambda o, sc: lambda: M.grouped_gemm(xm, gum.transpose(1, 2), o, offs, inter, a_idx=rows,
                                                               epilogue="swiglu", a_scale=xms, b_scale=gums, mx=True,
                                                               c_scales=sc))(out, scales)
                 try:
@@ -253,10 +253,10 @@ def gate_up_rows(label, shape, args, rep, peak):
                 ref = torch._grouped_mm(mxfp8_dequantize(xm, xms)[rows], mxfp8_dequantize(gum, gums).transpose(1, 2),
                                         offs=offs[1:]).float()
                 ref = F.silu(ref[:, :inter]) * ref[:, inter:]
-                M._grouped_gemm(xm, gum.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xms,
+                M.grouped_gemm(xm, gum.transpose(1, 2), h, offs, inter, a_idx=rows, epilogue="swiglu", a_scale=xms,
                                 b_scale=gums, mx=True)
                 row[f"{name}_h_max_rel_err"] = max_rel(h, ref)
-                M._grouped_gemm(xm, gum.transpose(1, 2), hq, offs, inter, a_idx=rows, epilogue="swiglu",
+                M.grouped_gemm(xm, gum.transpose(1, 2), hq, offs, inter, a_idx=rows, epilogue="swiglu",
                                 a_scale=xms, b_scale=gums, mx=True, c_scales=hs)
                 back = mxfp8_dequantize(hq, hs, torch.float32)
                 row[f"{name}_quantized_h_max_rel_err"] = max_rel(back, ref)

@@ -30,7 +30,7 @@ FLOORS = {
 # dependency at import (transformers, matplotlib, Gluon, CuPy / cuda-python), or in `commands`, whose imports
 # are deferred so that `kernelkit --help` answers without importing torch and Triton.
 HEAVY_TARGETS = ("kernelkit.patch", "kernelkit.roofline.plot", "kernelkit.ladder.hgemm_gluon", "kernelkit.ladder.nvrtc",
-                 "kernelkit.profile.examples", "kernelkit.ops.scaled_matmul_precise")
+                 "kernelkit.profile.examples", "kernelkit.ops.gemm.precise")
 LAZY_IMPORTERS = ("kernelkit.commands", "kernelkit.__main__")
 
 # Upward edges kept on purpose, each with its reason. Target: none.

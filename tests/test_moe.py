@@ -12,9 +12,9 @@ import torch
 
 import kernelkit
 from kernelkit.ops import moe as M
-from kernelkit.ops import _moe_gemm as G
+from kernelkit.ops.gemm import grouped as G
 from kernelkit.ops import mxfp8 as MX
-from kernelkit.ops.moe_fp8 import experts_grads_reference_fp8, reference_fp8, reference_mxfp8
+from kernelkit.ops.moe.fp8 import experts_grads_reference_fp8, reference_fp8, reference_mxfp8
 from kernelkit.ops import registry
 from kernelkit.testing import check, check_spec, poisoned_outputs
 
@@ -294,7 +294,7 @@ def test_compiles_without_graph_breaks(device):
 
 def _break(monkeypatch, how):
     """Simulate the kernel bugs the tests must catch, at the launchers' boundary."""
-    real_gemm, real_permute = M._grouped_gemm, M._permute
+    real_gemm, real_permute = M.grouped_gemm, M._permute
     if how == "expert_offset":  # every expert's first row one too late
         def permute(experts, n):
             order, offs = real_permute(experts, n)
@@ -312,7 +312,7 @@ def _break(monkeypatch, how):
         if how == "dgrad_scale" and kw.get("epilogue") == "swiglu_bwd":
             kw["scale"] = torch.ones_like(kw["scale"])
         return real_gemm(a, weight, c, offs, n, **kw)
-    monkeypatch.setattr(M, "_grouped_gemm", gemm)
+    monkeypatch.setattr(M, "grouped_gemm", gemm)
 
 
 @pytest.mark.parametrize("how", ["expert_offset", "gate_up_split", "routing_weight", "dgrad_scale"])
@@ -439,8 +439,8 @@ def test_fp8_backward_is_validated_and_runs_the_fp8_dgrads(device, monkeypatch):
         M.MoE(16, 12, 2, 1, backward_precision="e5m2")
     # The two dgrads get fp8 operands with rowwise scales; the forward and the wgrads do not.
     calls = []
-    real = M._grouped_gemm
-    monkeypatch.setattr(M, "_grouped_gemm", lambda a, *r, **kw: calls.append((a.dtype, kw.get("epilogue"),
+    real = M.grouped_gemm
+    monkeypatch.setattr(M, "grouped_gemm", lambda a, *r, **kw: calls.append((a.dtype, kw.get("epilogue"),
                                                                                 kw.get("a_scale") is not None))
                         or real(a, *r, **kw))
     leaves = [a.clone().requires_grad_() for a in args[:4]]
@@ -510,7 +510,7 @@ def test_quantize_rows_kernel_compiles_for_sm90():
     # It never runs in the interpreter (see above): CI builds it for the H100 instead.
     from kernelkit.testing import compile_check
 
-    records = [{"kernel": "kernelkit.ops._fp8:quantize_rows_kernel",
+    records = [{"kernel": "kernelkit.ops.gemm.fp8:quantize_rows_kernel",
                 "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
                          "N": {"value": 4111, "type": "i32"}, "stride_x": {"value": 4111, "type": "i32"},
                          "stride_q": {"value": 4111, "type": "i32"}, "tiny": {"value": 1e-38, "type": "fp32"},
@@ -546,11 +546,11 @@ def test_quantize_cols_t_reference_and_compile_for_sm90(device):
     assert q.shape == (3, 24, 40) and q.is_contiguous() and s.shape == (3, 24)
     assert ((q.float() * s[..., None]).transpose(1, 2) - w.float()).abs().max() <= w.float().abs().max() * 2 ** -4
     # The kernel never runs in the interpreter (its fp8 casts truncate): CI builds it for the H100 instead.
-    from kernelkit.ops import _fp8 as F8
+    from kernelkit.ops.gemm import fp8 as F8
     from kernelkit.testing import compile_check
 
     i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
-    records = [{"kernel": "kernelkit.ops._fp8:quantize_cols_t_kernel",
+    records = [{"kernel": "kernelkit.ops.gemm.fp8:quantize_cols_t_kernel",
                 "args": {"X": {"ptr": dt}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"}, "R": i32(4096),
                          "C": i32(14336), "stride_xb": i32(4096 * 14336), "stride_xr": i32(14336), "stride_xc": i32(1),
                          "tiny": {"value": 1e-38, "type": "fp32"}, "BLOCK_R": {"value": F8.COLS_T_TILE[0]},
@@ -591,7 +591,7 @@ def test_quantize_segments_t_kernel_matches_its_definition(dtype, gather):
 def test_quantize_segments_t_reads_its_index_tensors_as_given():
     # offs, idx, row_scale and poffs are read by index in the kernel: stepped views (poison between the elements)
     # must give what their contiguous copies give, bit for bit.
-    from kernelkit.ops._fp8 import padded_offsets
+    from kernelkit.ops.gemm.fp8 import padded_offsets
 
     counts = torch.tensor([3, 0, 127, 129, 40])
     offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
@@ -641,7 +641,7 @@ def test_fp8_wgrad_kernels_compile_for_sm90(monkeypatch):
     i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
     for dt in ("bf16", "fp32"):
         for gather in (False, True):
-            variants.append({"kernel": "kernelkit.ops._fp8:quantize_segments_t_kernel",
+            variants.append({"kernel": "kernelkit.ops.gemm.fp8:quantize_segments_t_kernel",
                              "args": {"X": {"ptr": dt}, "X_IDX": {"ptr": "i64" if gather else "i32"},
                                       "ROW_SCALE": {"ptr": "fp32"}, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
                                       "OFFS": {"ptr": "i32"}, "POFFS": {"ptr": "i32"}, "C": i32(4096),
@@ -687,11 +687,11 @@ def test_mxfp8_epilogue_quantizes_h_like_the_quantizer(device):
     guq, gus = M.mxfp8_quantize(gu)
     rows = tokens.shape[0]
     h = torch.empty((rows, 96), device=device)
-    M._grouped_gemm(xq, guq.transpose(1, 2), h, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs, b_scale=gus,
+    M.grouped_gemm(xq, guq.transpose(1, 2), h, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs, b_scale=gus,
                     mx=True)
     hq = torch.full((rows, 96), 0x7E, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)  # poison
     hs = torch.full((rows, 3), 7, dtype=torch.uint8, device=device)
-    M._grouped_gemm(xq, guq.transpose(1, 2), hq, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs,
+    M.grouped_gemm(xq, guq.transpose(1, 2), hq, offs, 96, a_idx=tokens, epilogue="swiglu", a_scale=xs,
                     b_scale=gus, mx=True, c_scales=hs)
     want_q, want_s = MX.reference_quantize(h)
     assert torch.equal(hs, want_s)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kernelkit.ops import _moe_gemm as G
+from kernelkit.ops.gemm import grouped as G
 from kernelkit.ops import moe as M
 from kernelkit.ops import registry
 from kernelkit.testing import check
@@ -15,14 +15,14 @@ SPEC = registry.get("moe")
 @pytest.fixture
 def tma_calls(monkeypatch):
     calls = []
-    original = G._b_tma
+    original = G.tma_weight
 
     def spy(weight):
         got = original(weight)
         calls.append((tuple(weight.shape), got))
         return got
 
-    monkeypatch.setattr(G, "_b_tma", spy)
+    monkeypatch.setattr(G, "tma_weight", spy)
     return calls
 
 

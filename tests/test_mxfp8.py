@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernelkit.ops.gemm.mx as gemm_mx
 import kernelkit.ops.mxfp8 as mx
 from kernelkit.ops import registry
 from kernelkit.ops.mxfp8 import mxfp8_dequantize, mxfp8_quantize, reference_dequantize, reference_quantize
@@ -197,7 +198,7 @@ def test_cost_counts_ideal_bytes():
 @pytest.mark.parametrize("shape", [(16384, 4096), (8192, 8192), (16384, 14336), (7, 4128), (1, 32)])
 def test_gpu_large_shapes_bit_exact(shape, elem_dtype, hw_cast, monkeypatch):
     # Both element paths on the GPU: the hardware FP8 convert and the kernel's own encoder.
-    monkeypatch.setattr(mx, "_hw_cast", lambda: hw_cast)
+    monkeypatch.setattr(gemm_mx, "hw_cast", lambda: hw_cast)
     (x,), _ = SPEC.make_inputs(shape, torch.bfloat16, "cuda")
     x[0, 0] = float("nan")
     data, scales = mxfp8_quantize(x, elem_dtype)
@@ -217,7 +218,7 @@ def test_gpu_large_shapes_bit_exact(shape, elem_dtype, hw_cast, monkeypatch):
 @pytest.mark.parametrize("hw_cast", [True, False])
 def test_gpu_subnormal_scales_and_elements(hw_cast, monkeypatch):
     # Scale code 0 is the fp32 subnormal 2^-127: no flush-to-zero may creep into either kernel.
-    monkeypatch.setattr(mx, "_hw_cast", lambda: hw_cast)
+    monkeypatch.setattr(gemm_mx, "hw_cast", lambda: hw_cast)
     for elem in ELEMS:
         x = torch.cat([_fp8_grid(elem)[:500] * 2.0 ** -127, torch.zeros(12)]).reshape(-1, 32).cuda()
         data, scales = assert_bit_exact(x, elem)

@@ -405,7 +405,7 @@ import json, sys
 import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from kernelkit.ops import scaled_matmul_precise as P
+from kernelkit.ops.gemm import precise as P
 from kernelkit.testing.compile_check import compile_gluon
 out_dtype, a_group, b_group, k_blocked = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 m, n, k = 256, 256, 512

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..ops._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate  # grouped order: as rung 3
+from ..ops.gemm.tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate  # grouped order: as rung 3
 from ..runtime import num_sms
 from .rung import Launch, check_bf16_operands
 

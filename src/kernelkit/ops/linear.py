@@ -28,7 +28,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms, tma_device
 from . import _validate
-from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
+from .gemm.tiles import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
 from .registry import OpSpec, register
 

@@ -21,7 +21,7 @@ Precision: Hopper's fp8 MMA sums in fewer bits than fp32. ``use_fast_accum=False
 K tile's partial product to the fp32 accumulator with a CUDA-core FMA, as the block-scaled path does anyway
 (DeepSeek-V3's promotion every 128 of K); ``True`` lets the tensor cores accumulate across all of K (Triton's
 sm_90 default, and faster: the next tile's MMA need not wait for the add). On Hopper, precise and block-scaled
-calls with TMA-ready operands run the warp-specialized Gluon kernel of scaled_matmul_precise.py instead, whose
+calls with TMA-ready operands run the warp-specialized Gluon kernel of gemm/precise.py instead, whose
 two consumer warpgroups hide each other's adds (measured in its docstring); this file's Triton kernel serves
 the rest (fast accumulation, other layouts, other GPUs, the interpreter).
 
@@ -46,11 +46,11 @@ from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._dispatch import dispatch
-from ._gemm import grouped_tile, tile_configs
+from .gemm.tiles import grouped_tile, tile_configs
 from .registry import OpSpec, register
 
 try:  # the Hopper precise-mode kernel is written in Gluon (Triton 3.6+)
-    from . import scaled_matmul_precise as _precise
+    from .gemm import precise as _precise
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernel serves every call
     _precise = None
 
@@ -62,7 +62,7 @@ K_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 # (True takes TMA wherever the layout allows it, also in the interpreter).
 USE_TMA: Optional[bool] = None
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and outer strides
-# The Gluon kernel for precise mode (scaled_matmul_precise.py); KERNELKIT_FP8_GLUON=0 keeps every call on Triton.
+# The Gluon kernel for precise mode (gemm/precise.py); KERNELKIT_FP8_GLUON=0 keeps every call on Triton.
 GLUON_PRECISE = os.environ.get("KERNELKIT_FP8_GLUON", "1") != "0"
 
 

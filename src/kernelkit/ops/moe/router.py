@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _validate
+from .. import _validate
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring: str = "softmax",

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import interpreting, next_pow2
-from .mxfp8 import e8m0_to_fp32, mxfp8_dequantize, mxfp8_quantize
+from ...runtime import interpreting, next_pow2
+from .mx import dequantize_fwd, e8m0_to_fp32, quantize_fwd
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
@@ -266,7 +266,7 @@ def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PA
 
 
 # The GPU's fp8 converts round to nearest even; the interpreter's truncate, so kernels encode the bits themselves
-# there (mxfp8.mx_encode).
+# there (mx.mx_encode).
 HW_FP8_CAST = tl.constexpr(not interpreting())
 
 
@@ -314,8 +314,8 @@ def quantized_weight(w: torch.Tensor, fmt: str):
     """(q, scales) of w for fmt "fp8" (`quantize_rows`), "fp8_t" (`quantize_cols_t`: the transposed copy) or
     "mxfp8" (`mxfp8_quantize`), or (its MXFP8 values dequantized to bf16, None) for "mxfp8_bf16"; reused from an earlier call inside `keep_quantized_weights` while
     w is unchanged."""
-    quantize = {"fp8": quantize_rows, "fp8_t": quantize_cols_t, "mxfp8": mxfp8_quantize,
-                "mxfp8_bf16": lambda t: (mxfp8_dequantize(*mxfp8_quantize(t), torch.bfloat16), None)}[fmt]
+    quantize = {"fp8": quantize_rows, "fp8_t": quantize_cols_t, "mxfp8": quantize_fwd,
+                "mxfp8_bf16": lambda t: (dequantize_fwd(*quantize_fwd(t), torch.bfloat16), None)}[fmt]
     if not _KEEP[0] or torch.is_inference(w):  # inference tensors have no version counter to watch
         return quantize(w)
     stamp = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)

@@ -1,6 +1,6 @@
 """kernelkit.moe with fp8 expert GEMMs as registry entries of their own (`kernelkit check moe_fp8 moe_mxfp8`,
 `bench moe_fp8`): the layer against `reference_fp8` / `reference_mxfp8`, the quantized layer in float64. The
-implementation is `moe`'s (`precision="fp8"` / `"mxfp8"`, ops/moe.py); this file holds what checks it.
+implementation is `moe`'s (`precision="fp8"` / `"mxfp8"`, ops/moe/__init__.py); this file holds what checks it.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._fp8 import quantize_cols_t_reference, quantize_rows_reference
-from .moe import BENCH_SHAPES, cost, make_inputs, moe, reference_route
-from .mxfp8 import reference_dequantize, reference_quantize
-from .registry import OpSpec, register
+from ..gemm.fp8 import quantize_cols_t_reference, quantize_rows_reference
+from . import BENCH_SHAPES, cost, make_inputs, moe, reference_route
+from ..mxfp8 import reference_dequantize, reference_quantize
+from ..registry import OpSpec, register
 
 
 def reference_fp8(x, router_weight, gate_up_weight, down_weight, top_k, *, scoring="softmax", renormalize=True):

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._gemm import grouped_tile_gluon, ws_ring, ws_ring_invalidate
+from .tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
 CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 = 64,512 of an SM's

@@ -9,7 +9,7 @@ contiguous group, with no Python loop over experts and no host sync (the host ne
   gradient of the routing weights reaches x and the router through torch);
 - permute: a stable sort of the flattened expert ids and a searchsorted for each expert's first row;
 - gate-up GEMM: A rows gathered from x through the permutation (inside the kernel's loads, or by a copy first
-  for wide outputs on Hopper's persistent TMA kernel: see _moe_gemm), SwiGLU in the epilogue (gate column j
+  for wide outputs on Hopper's persistent TMA kernel: see ops/gemm/grouped.py), SwiGLU in the epilogue (gate column j
   and up column I + j in one tile), h written in x's dtype;
 - down GEMM: the routing weight multiplied in the epilogue, each row stored at its (token, slot) position;
   the combine is then a sum over the k slots of each token (deterministic, no atomics anywhere).
@@ -30,20 +30,21 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..roofline.model import Cost, dtype_key
-from ..runtime.alloc import empty
-from ..runtime import cdiv, interpreting, next_pow2
-from . import _moe_gemm, _validate
-from ._dispatch import differentiable_backward, dispatch, reference_vjp, traced, wants_grad
-from ._fp8 import (drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
-                   quantize_cols_t, quantize_cols_t_reference, quantize_rows, quantize_rows_reference,
-                   quantize_segments_t, quantize_segments_t_reference, quantized_weight)
-from ._gemm import input_precision
-from ._moe_gemm import (MX_MODES, _ROWDOT_BLOCK_N, _b_tma, _grouped_gemm, _wgrad, _wgrad_fp8,  # noqa: F401
-                        moe_grouped_gemm_kernel, moe_wgrad_kernel)
-from ._moe_router import _check_routing, expert_counts, load_balancing_loss, route  # noqa: F401 (re-exported)
-from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
-from .registry import OpSpec, register
+from ...roofline.model import Cost, dtype_key
+from ...runtime.alloc import empty
+from ...runtime import cdiv, interpreting, next_pow2
+from .. import _validate
+from .._dispatch import differentiable_backward, dispatch, reference_vjp, traced, wants_grad
+from ..gemm import grouped
+from ..gemm.fp8 import (drop_quantized_weights, keep_quantized_weights,  # noqa: F401 (re-exported)
+                        quantize_cols_t, quantize_cols_t_reference, quantize_rows, quantize_rows_reference,
+                        quantize_segments_t, quantize_segments_t_reference, quantized_weight)
+from ..gemm.tiles import input_precision
+from ..gemm.grouped import (MX_MODES, ROWDOT_BLOCK_N, grouped_gemm, tma_weight, wgrad, wgrad_fp8,  # noqa: F401
+                            moe_grouped_gemm_kernel, moe_wgrad_kernel)
+from ..mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from ..registry import OpSpec, register
+from .router import _check_routing, expert_counts, load_balancing_loss, route  # noqa: F401 (re-exported)
 
 SCORINGS = ("softmax", "sigmoid")
 ROUTER_DTYPES = _validate.FLOAT_DTYPES + (torch.float64,)  # the router and routing weights: used in fp32
@@ -96,22 +97,22 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
         xq, xs = mxfp8_quantize(x)
         hq = empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
         hs = empty((rows, inter // 32), dtype=torch.uint8, device=x.device)
-        if _moe_gemm.MX_MODE == "upcast":
+        if grouped.MX_MODE == "upcast":
             # The MXFP8 operands dequantized to bf16 (exact) by memory-bound passes, the GEMMs on bf16 tensor cores:
             # the same products and fp32 sums as the in-loop modes, without redoing each tile's dequantization for
             # every tile of the other operand. h still leaves the epilogue as MXFP8.
             gud, _ = quantized_weight(gate_up_weight, "mxfp8_bf16")
             dd, _ = quantized_weight(down_weight, "mxfp8_bf16")
-            _grouped_gemm(mxfp8_dequantize(xq, xs, torch.bfloat16), gud.transpose(1, 2), hq, offs, inter,
+            grouped_gemm(mxfp8_dequantize(xq, xs, torch.bfloat16), gud.transpose(1, 2), hq, offs, inter,
                           a_idx=tokens, z=z if save else None, epilogue="swiglu", c_scales=hs)
-            _grouped_gemm(mxfp8_dequantize(hq, hs, torch.bfloat16), dd.transpose(1, 2), y, offs, hidden,
+            grouped_gemm(mxfp8_dequantize(hq, hs, torch.bfloat16), dd.transpose(1, 2), y, offs, hidden,
                           c_idx=order, scale=w_rows)
             return _sum_slots(y, t, k), x.new_empty(0), z, order, offs
         guq, gus = quantized_weight(gate_up_weight, "mxfp8")
         dq, ds = quantized_weight(down_weight, "mxfp8")
-        _grouped_gemm(xq, guq.transpose(1, 2), hq, offs, inter, a_idx=tokens, z=z if save else None,
+        grouped_gemm(xq, guq.transpose(1, 2), hq, offs, inter, a_idx=tokens, z=z if save else None,
                       epilogue="swiglu", a_scale=xs, b_scale=gus, mx=True, c_scales=hs)
-        _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds,
+        grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds,
                       mx=True)
         return _sum_slots(y, t, k), x.new_empty(0), z, order, offs
     if precision == "fp8":
@@ -121,14 +122,14 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
         xq, xs = quantize_rows(x)
         guq, gus = quantized_weight(gate_up_weight, "fp8")
         dq, ds = quantized_weight(down_weight, "fp8")
-        _grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
+        grouped_gemm(xq, guq.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
                       epilogue="swiglu", a_scale=xs, b_scale=gus)
         hq, hs = quantize_rows(h)
-        _grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds)
+        grouped_gemm(hq, dq.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows, a_scale=hs, b_scale=ds)
         return _sum_slots(y, t, k), h, z, order, offs
-    _grouped_gemm(x, gate_up_weight.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
+    grouped_gemm(x, gate_up_weight.transpose(1, 2), h, offs, inter, a_idx=tokens, z=z if save else None,
                   epilogue="swiglu", precision=dot_precision)
-    _grouped_gemm(h, down_weight.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows,
+    grouped_gemm(h, down_weight.transpose(1, 2), y, offs, hidden, c_idx=order, scale=w_rows,
                   precision=dot_precision)
     return _sum_slots(y, t, k), h, z, order, offs
 
@@ -171,7 +172,7 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     channel (`quantize_cols_t`: the transposed quantization, written K-contiguous for the fp8 MMAs); and, from
     FP8_WGRAD_MIN_ROWS rows an expert on average, the two weight gradients on operands quantized per expert and
     column along the expert's rows (`quantize_segments_t`: d(gate, up) and x's rows, w * dout and h), dequantized
-    in their epilogue (`_wgrad_fp8`); below it they run in x's dtype."""
+    in their epilogue (`wgrad_fp8`); below it they run in x's dtype."""
     t, hidden = x.shape
     k = weights.shape[1]
     rows, inter = order.shape[0], gate_up_weight.shape[1] // 2
@@ -187,16 +188,16 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
     dx = dw = dgu = dd = None
     if rows and (needs[0] or needs[1] or needs[2]):
         dz = empty((rows, 2 * inter), dtype=x.dtype, device=x.device)
-        rowdot = torch.zeros((rows, cdiv(inter, _ROWDOT_BLOCK_N)), dtype=torch.float32, device=x.device)
+        rowdot = torch.zeros((rows, cdiv(inter, ROWDOT_BLOCK_N)), dtype=torch.float32, device=x.device)
         h_out = empty((rows, inter), dtype=x.dtype, device=x.device) if h.numel() == 0 and needs[3] else None
         if fp8:  # dout's rows per token (gathered with their scales), W_down^T per intermediate channel
             doutq, douts = quantize_rows(dout)
             dq, ds = quantized_weight(down_weight, "fp8_t")  # (E, I, H): as the (E, H, I) operand, K-contiguous
-            _grouped_gemm(doutq, dq.transpose(1, 2), dz, offs, inter, a_idx=tokens, scale=w_rows, z=z,
+            grouped_gemm(doutq, dq.transpose(1, 2), dz, offs, inter, a_idx=tokens, scale=w_rows, z=z,
                           rowdot=rowdot, epilogue="swiglu_bwd", h_out=h_out, a_scale=douts, b_scale=ds)
             del doutq, douts, dq, ds
         else:
-            _grouped_gemm(dout, down_weight, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z, rowdot=rowdot,
+            grouped_gemm(dout, down_weight, dz, offs, inter, a_idx=tokens, scale=w_rows, z=z, rowdot=rowdot,
                           epilogue="swiglu_bwd", precision=precision, h_out=h_out)
         if h_out is not None:
             h = h_out
@@ -209,28 +210,28 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
             if fp8:  # d(gate, up) per row, W_gate_up^T per hidden channel
                 dzq, dzs = quantize_rows(dz)
                 guq, gus = quantized_weight(gate_up_weight, "fp8_t")  # (E, H, 2I): the (E, 2I, H) operand
-                _grouped_gemm(dzq, guq.transpose(1, 2), dxr, offs, hidden, c_idx=order, a_scale=dzs, b_scale=gus)
+                grouped_gemm(dzq, guq.transpose(1, 2), dxr, offs, hidden, c_idx=order, a_scale=dzs, b_scale=gus)
                 del dzq, dzs, guq, gus
             else:
-                _grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
+                grouped_gemm(dz, gate_up_weight, dxr, offs, hidden, c_idx=order, precision=precision)
             dx = _sum_slots(dxr, t, k)
             del dxr
         if needs[2]:
             if fp8_wgrads:
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
-                _wgrad_fp8(dz, x, dgu, offs, b_idx=tokens)
+                wgrad_fp8(dz, x, dgu, offs, b_idx=tokens)
             elif _cublas_wgrads(x, gate_up_weight, down_weight):
                 dgu = torch._grouped_mm(dz.t(), x[tokens], offs=offs[1:])
             else:
                 dgu = empty(gate_up_weight.shape, dtype=gate_up_weight.dtype, device=x.device)
-                _wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
+                wgrad(dz, x, dgu, offs, b_idx=tokens, precision=precision)
         del dz, rowdot  # freed before the down weight's gradient is allocated: the two never coexist
     elif h.numel() == 0 and rows and needs[3]:  # only the down weight's gradient: h from z in x's dtype
         h = (F.silu(z[:, :inter].float()) * z[:, inter:].float()).to(x.dtype)
     if needs[3]:
         if rows and fp8_wgrads:
             dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
-            _wgrad_fp8(dout, h, dd, offs, a_idx=tokens, scale=w_rows)
+            wgrad_fp8(dout, h, dd, offs, a_idx=tokens, scale=w_rows)
         elif rows and _cublas_wgrads(x, gate_up_weight, down_weight):
             # in place: computed in fp32 and rounded once to dout's dtype, as the Triton wgrad rounds, with no fp32 copy
             scaled = dout[tokens].mul_(w_rows[:, None])
@@ -238,7 +239,7 @@ def moe_experts_bwd(dout, x, weights, gate_up_weight, down_weight, h, z, order, 
         else:
             dd = empty(down_weight.shape, dtype=down_weight.dtype, device=x.device)
             if rows:
-                _wgrad(dout, h, dd, offs, a_idx=tokens, scale=w_rows, precision=precision)
+                wgrad(dout, h, dd, offs, a_idx=tokens, scale=w_rows, precision=precision)
             else:
                 dd.zero_()
     if rows == 0:  # no pair routed: every gradient is zero
@@ -453,7 +454,7 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, gate_up_weight: torch.Tens
     E8M0 scale per 32 elements along the reduction: `mxfp8_quantize`'s format; hidden and intermediate divisible
     by 32) multiplied exactly (Hopper has no block-scaled MMA: the dequantized values are exact in bf16, and bf16
     MMAs with fp32 sums compute their products; by default the operands are dequantized by their own passes, see
-    `_moe_gemm.MX_MODE`), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
+    `grouped.MX_MODE`), the gate-up GEMM's SwiGLU epilogue writing h already in MXFP8 for the down GEMM.
     With either fp8 precision the backward differentiates the layer as if unquantized, on the saved gate/up
     pre-activations (a straight-through estimator of the quantization).
 
@@ -689,7 +690,7 @@ def make_inputs(shape, dtype, device, generator=None):
 
 # First a medium shape: `kernelkit check` (make demo) runs bench_shapes[0] against a float64 reference on the GPU,
 # which at Mixtral's shape needs ~30 GB; then the issue's three layers (Mixtral, Qwen3-30B-A3B, DeepSeek-V3), which
-# benchmarks/moe.py times against torch._grouped_mm. The fp8 / MXFP8 entries (moe_fp8.py) bench the same.
+# benchmarks/moe.py times against torch._grouped_mm. The fp8 / MXFP8 entries (moe/fp8.py) bench the same.
 BENCH_SHAPES = [(2048, 1024, 1536, 16, 4), (8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8),
                 (8192, 7168, 2048, 256, 8)]
 
@@ -719,3 +720,5 @@ register(OpSpec(
     tolerances={"bfloat16": 2e-2, "float16": 1e-2},
     doc="MoE SwiGLU MLP: torch router (softmax/sigmoid top-k), grouped-GEMM experts, forward+backward.",
 ))
+
+from . import fp8  # noqa: E402,F401 (registers moe_fp8 and moe_mxfp8, which check the layer above)

@@ -1,6 +1,6 @@
 """The MoE layer's Triton kernels and their launchers: the grouped GEMM over experts (gather, SwiGLU, routing
 weight, scatter, rowwise fp8 and MXFP8 operands, the MXFP8-writing epilogue) and the per-expert wgrad.
-ops/moe.py composes them into the layer (see its docstring for the data flow).
+ops/moe/ composes them into the layer (see its docstring for the data flow).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
-from ._fp8 import HW_FP8_CAST, mx_dequant, quantize_segments_t
-from ._gemm import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
-from .mxfp8 import e8m0_to_fp32, mx_encode
+from ...runtime import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
+from .fp8 import HW_FP8_CAST, mx_dequant, quantize_segments_t
+from .tiles import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
+from .mx import e8m0_to_fp32, mx_encode
 
 
 def _gemm_configs() -> list:
@@ -433,7 +433,7 @@ def moe_wgrad_kernel(A, A_IDX, SCALE, stride_ar, stride_am,  # A (rows, M): row 
 
 def _wgrad_fp8_configs() -> list:
     # The interpreter's first (an fp8 dot takes K >= 32 a step); then Hopper tiles with 128-deep fp8 K steps. Every
-    # BLOCK_K divides the segments' padding (_fp8.SEGMENT_PAD).
+    # BLOCK_K divides the segments' padding (fp8.SEGMENT_PAD).
     return tile_configs(((16, 16, 32, 2, 4), (128, 128, 128, 3, 8), (128, 256, 128, 3, 8), (128, 128, 128, 4, 4),
                          (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 128, 64, 4, 8)))
 
@@ -482,10 +482,10 @@ def moe_wgrad_fp8_kernel(A, SA, stride_a,  # A^T (M, W) e4m3, K-contiguous; SA (
 # --- launchers ---
 
 # Columns of the routing-weight gradient's partial sums: one per N tile of the smallest BLOCK_N a config has.
-_ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.configs)
+ROWDOT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in moe_grouped_gemm_kernel.configs)
 
 
-def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
+def grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z=None, rowdot=None,
                   epilogue="none", precision=None, a_scale=None, b_scale=None, mx=False, c_scales=None, h_out=None):
     """c = epilogue(a[rows] @ weight[e]) for the expert groups `offs`; weight is an (E, K, N') view (N' = 2n
     for swiglu) read through its strides. fp8 a and weight take a_scale and b_scale: rowwise, one fp32 per row
@@ -532,7 +532,7 @@ def _grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, 
                INPUT_PRECISION=None if scales else precision,
                SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
         return
-    b_tma = _b_tma(weight)
+    b_tma = tma_weight(weight)
     if b_tma and weight.is_cuda:
         ensure_tma_allocator()  # descriptors made inside the kernel live in a scratch buffer Triton asks for
     if mx:  # b_scale (E, N', K / 32) as the weight's (E, K, N') view is transposed: its row stride is dim 1's
@@ -582,7 +582,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides)
 
 
-def _b_tma(weight: torch.Tensor) -> bool:
+def tma_weight(weight: torch.Tensor) -> bool:
     """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
     if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
         return False
@@ -624,7 +624,7 @@ def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     # A's rows: a gathered copy is contiguous (K elements a row); else a's own row stride
     if not (_aligned(a, k) if a_idx is not None else _aligned(a, a.stride(0))):
         return None
-    if _b_tma(weight):
+    if tma_weight(weight):
         return True
     s_e, s_k, s_n = weight.stride()
     e, _, n = weight.shape
@@ -634,7 +634,7 @@ def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     return False if s_k >= n and (s_e >= k * s_k or e == 1) else None
 
 
-def _wgrad_fp8(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None):
+def wgrad_fp8(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None):
     """c[e] = a[rows of e]^T @ b[rows of e] on fp8 operands: a's and b's rows (gathered by a_idx / b_idx, a's
     times `scale` per row) quantized per expert and column by quantize_segments_t (the transposed quantization
     along the tokens), the products dequantized in the epilogue. c (E, M, N) any strides."""
@@ -644,7 +644,7 @@ def _wgrad_fp8(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None):
 
 
 def _wgrad_fp8_gemm(aq, sa, bq, sb, poffs, c, rows):
-    """_wgrad_fp8's GEMM on operands quantize_segments_t made (rows: the unpadded row count, for the tuning key)."""
+    """wgrad_fp8's GEMM on operands quantize_segments_t made (rows: the unpadded row count, for the tuning key)."""
     e, m, n = c.shape
     bucket = next_pow2(rows)
     grid = lambda meta: (e * cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
@@ -653,7 +653,7 @@ def _wgrad_fp8_gemm(aq, sa, bq, sb, poffs, c, rows):
            poffs, m, n, e, bucket)
 
 
-def _wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):
+def wgrad(a, b, c, offs, *, a_idx=None, b_idx=None, scale=None, precision=None):
     """c[e] = a[rows of e]^T @ b[rows of e] for every expert; c (E, M, N) any strides."""
     e, m, n = c.shape
     rows = a.shape[0] if a_idx is None else a_idx.shape[0]
