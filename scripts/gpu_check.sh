@@ -66,8 +66,8 @@ if has test; then
     KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q "${workers[@]}" \
       -m "${TEST_MARK:+$TEST_MARK and }not alone" -p no:cacheprovider --timeout=300 \
       --junitxml="$RES/pytest-gpu.xml" "${sel[@]}" 2>&1 | tee "$RES/pytest-gpu.log" | tail -25
-    log "pytest -m alone ${sel[*]}"
-    KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q -m "${TEST_MARK:+$TEST_MARK and }alone" \
+    [ -n "${SKIP_ALONE:-}" ] || log "pytest -m alone ${sel[*]}"
+    [ -n "${SKIP_ALONE:-}" ] || KERNELKIT_TUNE=${TEST_TUNE:-} timeout "${TEST_TIMEOUT:-1800}" python3 -m pytest -q -m "${TEST_MARK:+$TEST_MARK and }alone" \
       -p no:cacheprovider --timeout=300 --junitxml="$RES/pytest-gpu-alone.xml" "${sel[@]}" 2>&1 \
       | tee "$RES/pytest-gpu-alone.log" | tail -25
   else
