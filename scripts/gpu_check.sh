@@ -111,6 +111,7 @@ if has model; then
   log "bench model"; timeout ${MODEL_TIMEOUT:-590} $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40
 fi
 if has profile; then
-  log "profile --example llama"; $KK profile --example llama --out "$RES/profile" 2>&1 | tee "$RES/profile.log" | tail -60
+  log "profile --example llama"; $KK profile --example llama --out "$RES/profile" 2>&1 | tee "$RES/profile.log" | tail -12
+  python3 -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1]))['rows'] if r.get('pct_roof')]; top=sorted(rows,key=lambda r:-r['pct_roof']); print('profile rows: %d, max %% of roof %.1f, rows over 102%%: %d' % (len(rows), top[0]['pct_roof'], sum(r['pct_roof']>102 for r in rows))); [print('  %.1f %s %s %s %s' % (r['pct_roof'], r['op'], r['module'], r['phase'], r['regime'])) for r in top[:6]]" "$RES/profile/profile.json" 2>&1 | tee -a "$RES/steps.log"
 fi
 tar -czf "$OUT/results.tar.gz" -C "$OUT" results && log "packed $OUT/results.tar.gz"
