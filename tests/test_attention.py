@@ -376,6 +376,44 @@ def test_custom_op_schema_fake_tensor_and_one_graph_node(device):
     torch.testing.assert_close(o.float(), reference(q, k, v, causal=True).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_declared_op_gradients_eager_and_compiled(with_lse, device):
+    """One declaration serves both routes: eager autograd runs its Function, torch.compile its custom ops with
+    kernelkit::attention_bwd in the backward graph. Both give the fp64 reference's gradients, through o alone
+    (lse unused: its gradient is None, not zeros) and through o and lse."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    q, k, v = _qkv(1, 19, 23, 4, 2, 32, device=device, seed=11)
+    gen = torch.Generator(device=device).manual_seed(12)
+    wo = torch.randn(q.shape, dtype=torch.float64, device=device, generator=gen)
+    wl = torch.randn((1, 4, 19), dtype=torch.float64, device=device, generator=gen)
+
+    def loss(o, lse):
+        return (o.double() * wo).sum() + ((lse.double() * wl).sum() if with_lse else 0)
+
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(loss(*reference(*ref, causal=True, return_lse=True)), ref)
+    run = lambda q, k, v: attention(q, k, v, causal=True, return_lse=True)  # noqa: E731
+    backward_graph = []
+
+    def bw_compiler(gm, _):
+        backward_graph.extend(str(n.target) for n in gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw_compiler))
+    for route in (run, compiled):
+        args = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, lse = route(*args)
+        if route is run:
+            assert type(o.grad_fn).__name__.startswith("attention_function"), type(o.grad_fn)
+        got = torch.autograd.grad(loss(o, lse), args)
+        assert all(rel_error(g, w) < 2e-2 for g, w in zip(got, want)), [rel_error(g, w) for g, w in zip(got, want)]
+    assert any("kernelkit.attention_bwd" in t for t in backward_graph), backward_graph
+
+
 def test_sdpa_eager_row_matches_reference():
     q, k, v = _qkv(2, 17, 17, 4, 2, 32, "float16")
     torch.testing.assert_close(SPEC.eager(q.float(), k.float(), v.float(), causal=True),

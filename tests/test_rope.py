@@ -205,6 +205,46 @@ def test_custom_op_schema_fake_and_single_graph_node(device):
     torch.testing.assert_close(qo, reference(q, k, cos, sin, position_ids=pos)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_declared_op_gradients_eager_and_compiled(device):
+    """One declaration serves both routes: eager autograd runs its Function, torch.compile's backward graph the
+    forward op itself rotating by -theta (kernelkit::rope with inverse=True). Both give the fp64 reference's
+    gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    q, k = _qk(2, 7, 3, 1, 24, device)
+    cos, sin = _table(16, 16, device)
+    pos = torch.randint(0, 16, (2, 7), device=device)
+    gq, gk = torch.randn(q.shape, dtype=torch.float64, device=device), torch.randn(k.shape, dtype=torch.float64,
+                                                                                   device=device)
+
+    def loss(qo, ko):
+        return (qo.double() * gq).sum() + (ko.double() * gk).sum()
+
+    ref = [x.double().requires_grad_() for x in (q, k)]
+    want = torch.autograd.grad(loss(*reference(*ref, cos.double(), sin.double(), position_ids=pos, rotary_dim=16)),
+                               ref)
+    run = lambda q, k: rope(q, k, cos, sin, position_ids=pos, rotary_dim=16)  # noqa: E731
+    backward_graph = []
+
+    def bw_compiler(gm, _):
+        backward_graph.extend(n for n in gm.graph.nodes if "kernelkit.rope" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw_compiler))
+    for route in (run, compiled):
+        args = [x.clone().requires_grad_() for x in (q, k)]
+        qo, ko = route(*args)
+        if route is run:
+            assert type(qo.grad_fn).__name__.startswith("rope_function"), type(qo.grad_fn)
+        got = torch.autograd.grad(loss(qo, ko), args)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    assert len(backward_graph) == 1 and backward_graph[0].args[-1] is True, backward_graph  # inverse=True
+
+
 @settings(max_examples=8, deadline=None)
 @given(B=st.integers(1, 3), S=st.integers(1, 12), hq=st.integers(1, 5), hk=st.integers(1, 3),
        half=st.integers(1, 20), tail=st.integers(0, 9), interleaved=st.booleans(), table=st.booleans(),

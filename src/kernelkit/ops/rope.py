@@ -27,7 +27,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, launch, next_pow2
 from . import _validate
-from ._dispatch import differentiable_backward, dispatch
+from ._dispatch import Op
 from .registry import OpSpec, optional_import, register
 
 COS_COMPUTED, COS_TABLE, COS_PER_TOKEN = 0, 1, 2
@@ -233,9 +233,12 @@ def _validate_inputs(q, k, cos, sin, position_ids, offset, rotary_dim, heads_fir
                          "position_ids and offset apply only to a (max_pos, rotary_dim // 2) table")
 
 
-def rope_fwd(q, k, cos=None, sin=None, position_ids=None, offset=0, rotary_dim=None, interleaved=False,
-             base=10000.0, heads_first=False, inverse=False):
-    """Launch the rotation of q and k (by -theta when `inverse`). Returns (q_out, k_out) laid out like q and k."""
+def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
+             position_ids: Optional[torch.Tensor] = None, offset: int = 0, rotary_dim: Optional[int] = None,
+             interleaved: bool = False, base: float = 10000.0, heads_first: bool = False, inverse: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the rotation of q and k (by -theta when `inverse`). Returns (q_out, k_out) laid out like q and k.
+    Annotated: its signature is the schema of the custom op kernelkit::rope."""
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         rotary_dim = resolve_rotary_dim(q.shape[-1], cos, rotary_dim)
     _validate_inputs(q, k, cos, sin, position_ids, offset, rotary_dim, heads_first)
@@ -286,21 +289,7 @@ def rope_fwd(q, k, cos=None, sin=None, position_ids=None, offset=0, rotary_dim=N
     return qo, ko
 
 
-# --- torch.library custom op: one graph node under torch.compile, autograd through the inverse rotation ---
-
-@torch.library.custom_op("kernelkit::rope", mutates_args=())
-def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-             position_ids: Optional[torch.Tensor], offset: int, rotary_dim: int, interleaved: bool, base: float,
-             heads_first: bool, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_fwd(q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse)
-
-
-@_rope_op.register_fake
-def _(q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse):
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    return _empty_same_layout(q, torch.empty), _empty_same_layout(k, torch.empty)
-
+# --- the op, declared once: one graph node under torch.compile, autograd through the inverse rotation ---
 
 def _setup_context(ctx, inputs, output):
     _q, _k, cos, sin, position_ids, *rest = inputs
@@ -308,42 +297,28 @@ def _setup_context(ctx, inputs, output):
     ctx.rest = rest
 
 
-def _backward(ctx, dq, dk):
+def _backward(ctx, kernels, dq, dk):
+    """Rotating back by -theta: the forward kernel with `inverse` flipped."""
     cos, sin, position_ids = ctx.saved_tensors
-    offset, rotary_dim, interleaved, base, heads_first, inverse = ctx.rest
-    dq, dk = _rope_op(dq, dk, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first,
-                      not inverse)
-    return dq, dk, None, None, None, None, None, None, None, None, None
-
-
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
+    *rest, inverse = ctx.rest
+    return (*kernels.fwd(dq, dk, cos, sin, position_ids, *rest, not inverse), *(None,) * 9)
 
 
 def _double_backward(ctx, dq, dk):
-    """The backward through the Function itself, which records a graph: rotating back is linear."""
+    """The backward through the op's own Function, which records a graph: rotating back is linear."""
     cos, sin, position_ids = ctx.saved_tensors
-    offset, rotary_dim, interleaved, base, heads_first, inverse = ctx.rest
-    dq, dk = _RoPEFunction.apply(dq, dk, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first,
-                                 not inverse)
-    return (dq, dk) + (None,) * 9
+    *rest, inverse = ctx.rest
+    return (*ROPE.function.apply(dq, dk, cos, sin, position_ids, *rest, not inverse), *(None,) * 9)
 
 
-class _RoPEFunction(torch.autograd.Function):
-    """The eager path: same launcher as the custom op, less per-call overhead (see rms_norm)."""
+def _fake(q, k, *_):
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    return _empty_same_layout(q, torch.empty), _empty_same_layout(k, torch.empty)
 
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse):
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.rest = (offset, rotary_dim, interleaved, base, heads_first, inverse)
-        return rope_fwd(q, k, cos, sin, position_ids, offset, rotary_dim, interleaved, base, heads_first, inverse)
 
-    @staticmethod
-    @differentiable_backward(_double_backward, "rope")
-    def backward(ctx, dq, dk):
-        cos, sin, position_ids = ctx.saved_tensors
-        *rest, inverse = ctx.rest
-        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *rest, inverse=not inverse)
-        return (dq, dk) + (None,) * 9
+ROPE = Op("rope", rope_fwd, fake=_fake, setup_context=_setup_context, backward=_backward,
+          double_backward=_double_backward, n_grad=2)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
@@ -369,7 +344,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor] = None, s
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         rotary_dim = resolve_rotary_dim(q.shape[-1], cos, rotary_dim)
     args = (q, k, cos, sin, position_ids, offset, rotary_dim, bool(interleaved), float(base), layout == "bhsd")
-    return dispatch(_rope_op, rope_fwd, _RoPEFunction, 2, (*args, False))
+    return ROPE(*args, False)
 
 
 def _per_token_angles(q, cos, sin, position_ids, offset, rotary_dim, interleaved, base, wd):

@@ -11,8 +11,8 @@ A query that sees no key (causal with seq_q > seq_k) gets output 0 and lse -inf.
 
 The package: `tiles` (tile loads and stores through TMA descriptors or pointers, masks, block ranges,
 configs, layout decisions), `forward` (kernel, split-KV decoding, checks, launcher), `backward` (dq, dk,
-dv kernels and launcher); here the custom op, the autograd wiring, the public function, the reference
-and the cost model.
+dv kernels and launcher); here the op's declaration, the public function, the reference and the cost
+model.
 """
 
 from __future__ import annotations
@@ -25,45 +25,41 @@ import torch
 import torch.nn.functional as F
 
 from ...roofline.model import Cost, dtype_key
-from .._dispatch import differentiable_backward, dispatch, reference_vjp
+from .._dispatch import Op, reference_vjp
 from ..registry import OpSpec, register
-from .backward import attention_bwd, attention_bwd_op
-from .forward import attention_fwd, lse_shape, validate
+from .backward import attention_bwd
+from .forward import _validate_inputs, attention_fwd, lse_shape
 
-__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "cost", "validate"]
+__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "cost"]
 
 
-# --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
+# --- the op, declared once: one graph node under torch.compile, autograd through our backward ---
 # None travels as window -1, softcap 0.0 and max_seqlen 0 (the schema has no Optional[float] defaults).
 
-def _fwd(q, k, v, cu_seqlens, causal, window, softcap, max_seqlen, scale, deterministic=False):
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], causal: bool,
+         window: int, softcap: float, max_seqlen: int, scale: float, deterministic: bool
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_fwd(q, k, v, causal, None if window < 0 else window, softcap or None, cu_seqlens,
                          max_seqlen if cu_seqlens is not None else None, scale, checked=True)
 
 
-@torch.library.custom_op("kernelkit::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                  causal: bool, window: int, softcap: float, max_seqlen: int, scale: float, deterministic: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, cu_seqlens, causal, window, softcap, max_seqlen, scale)
-
-
-@_attention_op.register_fake
-def _(q, k, v, cu_seqlens, causal, window, softcap, max_seqlen, scale, deterministic):
-    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
+def _bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         o: torch.Tensor, lse: torch.Tensor, cu_seqlens: Optional[torch.Tensor], causal: bool, window: int,
+         softcap: float, max_seqlen: int, scale: float, deterministic: bool
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, dlse, q, k, v, o, lse, causal, None if window < 0 else window, softcap or None,
+                         cu_seqlens, max_seqlen, scale, deterministic)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, *ctx.flags = inputs
+    ctx.set_materialize_grads(False)  # an unused o or lse sends None: the backward skips its term
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
 
 
-def _backward(ctx, do, dlse):
+def _backward(ctx, kernels, do, dlse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    return (*attention_bwd_op(do, dlse, q, k, v, o, lse, cu_seqlens, *ctx.flags), *(None,) * 7)
-
-
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+    return (*kernels.bwd(do, dlse, q, k, v, o, lse, cu_seqlens, *ctx.flags), *(None,) * 7)
 
 
 def _double_backward(ctx, do, dlse):
@@ -79,23 +75,12 @@ def _double_backward(ctx, do, dlse):
     return reference_vjp(ref, (q, k, v), (do, dlse), 10)
 
 
-class _AttentionFunction(torch.autograd.Function):
-    """The eager path: the same launchers as the custom op without its dispatch overhead (decoding)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _fwd(*inputs)
-        ctx.set_materialize_grads(False)
-        _setup_context(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    @differentiable_backward(lambda ctx, do, dlse: _double_backward(ctx, do, dlse), "attention")
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        causal, window, softcap, max_seqlen, scale, deterministic = ctx.flags
-        return (*attention_bwd(do, dlse, q, k, v, o, lse, causal, None if window < 0 else window, softcap or None,
-                               cu_seqlens, max_seqlen, scale, deterministic), *(None,) * 7)
+ATTENTION = Op(
+    "attention", _fwd, fake=lambda q, k, v, cu_seqlens, *_: (
+        q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens is not None), dtype=torch.float32)),
+    setup_context=_setup_context, backward=_backward, bwd=_bwd,
+    bwd_fake=lambda do, dlse, q, k, v, *_: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)),
+    double_backward=_double_backward, n_grad=3)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, window: Optional[int] = None,
@@ -128,10 +113,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] else 1.0
     # Validated here once as given (the op's encodings, window -1 and softcap 0 for None, would hide bad values).
-    _, _, max_len = validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale)
+    _, _, max_len = _validate_inputs(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale)
     flags = (bool(causal), -1 if window is None else window, float(softcap or 0.0),
              max_len if cu_seqlens is not None else 0, float(scale), bool(deterministic))
-    o, lse = dispatch(_attention_op, _fwd, _AttentionFunction, 3, (q, k, v, cu_seqlens, *flags))
+    o, lse = ATTENTION(q, k, v, cu_seqlens, *flags)
     return (o, lse) if return_lse else o
 
 

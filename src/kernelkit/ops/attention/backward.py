@@ -336,17 +336,3 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
            *row_strides(do, varlen), *row_strides(dq, varlen), *l_strides, *head, **common)
     return dq, dk, dv
 
-
-@torch.library.custom_op("kernelkit::attention_bwd", mutates_args=())
-def attention_bwd_op(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                     causal: bool, window: int, softcap: float, max_seqlen: int, scale: float, deterministic: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward as a graph node (window -1 and softcap 0.0 stand for None, as in kernelkit::attention)."""
-    return attention_bwd(do, dlse, q, k, v, o, lse, causal, None if window < 0 else window, softcap or None,
-                         cu_seqlens, max_seqlen, scale, deterministic)
-
-
-@attention_bwd_op.register_fake
-def _(do, dlse, q, k, v, o, lse, cu_seqlens, causal, window, softcap, max_seqlen, scale, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

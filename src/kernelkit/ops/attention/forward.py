@@ -213,7 +213,7 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale):
+def _validate_inputs(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale):
     """Check the arguments of `attention`; returns (batch, seqlen_q, seqlen_k) (per-sequence maxima when packed)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (isinstance(x, torch.Tensor) and x.is_meta and x.dtype in DTYPES):  # meta: shapes only
@@ -274,7 +274,7 @@ def validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale):
     return cu_seqlens.numel() - 1, max_seqlen, max_seqlen
 
 
-def check_offsets(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
+def _validate_offsets(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
     """The packed-sequence offsets, checked on the device: with max_seqlen given nothing else reads them
     on the host, and a host check would cost a sync per call. `torch._assert_async` raises at once on the
     CPU and fails the next synchronization on CUDA (a device-side assert), so a bad cu_seqlens never
@@ -305,15 +305,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     their strides (any head, row and batch strides, 0 included); only a head_dim that is not
     unit-stride is copied."""
     varlen = cu_seqlens is not None
-    on_host = varlen and max_seqlen is None and not checked  # validate reads the offsets on the host
+    on_host = varlen and max_seqlen is None and not checked  # _validate_inputs reads the offsets on the host
     if checked:
         batch, seq_q, seq_k = ((q.shape[0], q.shape[1], k.shape[1]) if cu_seqlens is None
                                else (cu_seqlens.numel() - 1, max_seqlen, max_seqlen))
     else:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and q.dim() >= 1 and q.shape[-1] else scale
-        batch, seq_q, seq_k = validate(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale)
+        batch, seq_q, seq_k = _validate_inputs(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, scale)
     if varlen and not on_host:
-        check_offsets(cu_seqlens, q.shape[0], seq_q)
+        _validate_offsets(cu_seqlens, q.shape[0], seq_q)
     if varlen:  # validated through its strides, read by the kernels by index: a stepped view must not reach them
         cu_seqlens = _validate.dense(cu_seqlens)
     q, k, v = _validate.unit_last(q), _validate.unit_last(k), _validate.unit_last(v)
