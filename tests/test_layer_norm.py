@@ -10,7 +10,7 @@ import kernelkit.ops.layer_norm as mod
 from kernelkit.ops import registry
 from kernelkit.testing import check, check_spec
 from kernelkit.testing.graph import compile_as_one_node
-from kernelkit.tune import prune_row_tiles, row_tile_configs
+from kernelkit.runtime import prune_row_tiles, row_tile_configs
 
 SPEC = registry.get("layer_norm")
 

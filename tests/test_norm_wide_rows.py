@@ -1,23 +1,28 @@
-"""The backward of rows wider than the fused kernels hold (ops/rms_norm.py `WideBackward`: a per-row sum,
-then column strips), forced at small widths by lowering MAX_FUSED_BWD_N, against float64 autograd of the
-references, outputs poisoned."""
+"""How the norms' backward is laid out (ops/_norm_common.py): rows wider than the fused kernels hold take
+`WideBackward` (a per-row sum, then column strips), forced at small widths by lowering MAX_FUSED_BWD_N; the
+fused backward's programs per SM and pipelining (`FusedBackward` tables); the dweight column sum. Results
+against float64 autograd of the references, outputs poisoned."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import kernelkit.ops.layer_norm as ln
 import kernelkit.ops.rms_norm as mod
+from kernelkit.ops import _norm_common as common
 from kernelkit.ops import registry
+from kernelkit.runtime import num_sms
 from kernelkit.testing import check, check_spec
-from kernelkit.testing.poison import poisoned_outputs
+from kernelkit.runtime.alloc import poisoned_outputs
 
 # Narrow strips, so that 300-odd columns take several of them (a ragged last one), and 13 rows that leave row
 # groups of unequal sizes. With the interpreter's 4 "SMs": 11 groups asked for, 7 of 2 rows kept; 3 asked
 # for, 2 of 8 rows (4-row steps) kept; one group holding every row.
 DESIGNS = {
-    "many-groups": mod.WideBackward(8.0, 1, 128, 4),
-    "uneven-groups": mod.WideBackward(2.25, 4, 128, 4),
-    "one-group": mod.WideBackward(0.1, 1, 32, 4),
+    "many-groups": common.WideBackward(8.0, 1, 128, 4),
+    "uneven-groups": common.WideBackward(2.25, 4, 128, 4),
+    "one-group": common.WideBackward(0.1, 1, 32, 4),
 }
 
 
@@ -119,16 +124,16 @@ def test_layer_norm_strided_rows_large_mean(wide, has_w, has_b, device):
             assert got.numel() == 0, name
 
 
-def _launched(monkeypatch, module):
-    """Names of the kernels module's launchers start, in order."""
-    names, real = [], module.launch
+def _launches(monkeypatch, module):
+    """(kernel name, grid, keyword arguments) of every launch by `module`'s launchers, in order."""
+    seen, real = [], module.launch
 
-    def record(kernel, *args, **kwargs):
-        names.append(getattr(kernel, "base_fn", getattr(kernel, "fn", kernel)).__name__)
-        return real(kernel, *args, **kwargs)
+    def record(kernel, grid, *args, **kwargs):
+        seen.append((getattr(kernel, "base_fn", getattr(kernel, "fn", kernel)).__name__, grid, kwargs))
+        return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(module, "launch", record)
-    return names
+    return seen
 
 
 @pytest.mark.parametrize("op,dtype,fused", [("add_rms_norm", "float32", False), ("add_rms_norm", "bfloat16", True),
@@ -137,8 +142,9 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
     # Measured on the H100: fp32 add+RMSNorm spills out of the fused backward at 16384 columns, bf16 and
     # plain RMSNorm do not. Scaled down: rows of 300 between the two limits.
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N_FP32_DS", 256)
-    names = _launched(monkeypatch, mod)
+    launches = _launches(monkeypatch, mod)
     check_spec(registry.get(op), (5, 300), dtype, device=device, trials=1).raise_if_failed()
+    names = [name for name, _, _ in launches]
     assert ("rms_norm_bwd_kernel" in names) == fused, names
     assert ("rms_norm_bwd_strip_kernel" in names) != fused, names
 
@@ -146,17 +152,96 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
 def test_wide_rows_take_the_strips_design_by_default(device, monkeypatch):
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(ln, "MAX_FUSED_BWD_N", 256)
-    rms_names, ln_names = _launched(monkeypatch, mod), _launched(monkeypatch, ln)
+    rms_launches, ln_launches = _launches(monkeypatch, mod), _launches(monkeypatch, ln)
     x, w = torch.randn(3, 300, device=device, requires_grad=True), torch.randn(300, device=device, requires_grad=True)
     mod.rms_norm(x, w).sum().backward()
     ln.layer_norm(x, w).sum().backward()
+    rms_names, ln_names = [name for name, _, _ in rms_launches], [name for name, _, _ in ln_launches]
     assert "rms_norm_bwd_strip_kernel" in rms_names, rms_names
     assert "layer_norm_bwd_strip_kernel" in ln_names, ln_names
 
 
+def test_fused_backward_table_takes_the_first_entry_with_rows_enough():
+    table = (common.FusedBackward(1024, 8, min_rows=32), common.FusedBackward(2048, 2), common.FusedBackward(8192, 1))
+    assert common.fused_backward(table, 256, 8 * 4 * 32, 4) is table[0]
+    assert common.fused_backward(table, 256, 8 * 4 * 32 - 1, 4) is table[1]  # too few rows for 8 per SM
+    assert common.fused_backward(table, 2048, 10 ** 6, 4) is table[1]
+    assert common.fused_backward(table, 4096, 10 ** 6, 4) is table[2]
+    assert common.fused_backward(table, 65536, 10 ** 6, 4) is table[2]  # past them all: the last
+    assert table[0].programs(4, 10 ** 6) == 32 and table[0].programs(4, 5) == 5
+
+
+FUSED_KERNEL = {"rms_norm": (mod, "rms_norm_bwd_kernel"), "add_rms_norm": (mod, "rms_norm_bwd_kernel"),
+                "layer_norm": (ln, "layer_norm_bwd_kernel")}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("more_rows", [True, False])
+def test_short_rows_run_more_programs_per_sm_where_each_gets_its_rows(op, more_rows, device, monkeypatch):
+    # The module's own table, with its rows-per-program floor scaled from 32 to 1 so that the interpreter's
+    # 4 "SMs" reach it at 32 rows of 64 columns: 8 programs per SM from there, the 2 of the next entry below.
+    # Either way the dweight partial has one row per program and sums to the reference's gradient.
+    module, kernel = FUSED_KERNEL[op]
+    first, second = module.FUSED_BWD[:2]
+    assert first.max_block_n >= 64 and first.min_rows > 1 and first.programs_per_sm > second.programs_per_sm
+    monkeypatch.setattr(module, "FUSED_BWD", (dataclasses.replace(first, min_rows=1), *module.FUSED_BWD[1:]))
+    sms = num_sms(torch.device(device))
+    rows = first.programs_per_sm * sms - (0 if more_rows else 1)
+    gen = torch.Generator(device=device).manual_seed(rows)
+    x, dy = (torch.randn(rows, 64, device=device, generator=gen) for _ in range(2))
+    w = torch.randn(64, device=device, generator=gen)
+    launches = _launches(monkeypatch, module)
+    if op == "rms_norm":
+        _, rstd, _ = mod.rms_norm_fwd(x, w, 1e-6)
+        with poisoned_outputs():
+            dx, dw = mod.rms_norm_bwd(dy, x, w, rstd)
+        want = _fp64_grads(mod.reference, (x, w), dy, (0, 1))
+    else:
+        _, mean, rstd = ln.layer_norm_fwd(x, w, None, 1e-5)
+        with poisoned_outputs():
+            dx, dw, _ = ln.layer_norm_bwd(dy, x, w, None, mean, rstd)
+        want = _fp64_grads(ln.reference, (x, w), dy, (0, 1))
+    _close(dx, want[0], 1e-5, "dx")
+    _close(dw, want[1], 1e-5, "dw")
+    grids = [grid for name, grid, _ in launches if name == kernel]
+    assert grids == [((first if more_rows else second).programs_per_sm * sms,)], grids
+
+
+@pytest.mark.parametrize("op,stages", [("add_rms_norm", 2), ("rms_norm", None), ("layer_norm", None)])
+def test_only_the_backward_with_dsummed_pipelines_its_row_loop(op, stages, device, monkeypatch):
+    # add+RMSNorm's fused backward reads a third stream (dsummed) after the row sum: its loop is pipelined.
+    module, kernel = FUSED_KERNEL[op]
+    launches = _launches(monkeypatch, module)
+    check_spec(registry.get(op), (37, 1000), "bfloat16", device=device, trials=1).raise_if_failed()
+    got = [kw["STAGES"] for name, _, kw in launches if name == kernel]
+    assert got and all(st == stages for st in got), got
+
+
+@pytest.mark.parametrize("p,n,block_p", [(1000, 40, 256), (300, 300, 32), (7, 1, 256)])
+def test_column_sum_over_many_partial_rows(p, n, block_p, device, monkeypatch):
+    # Fewer column strips than SMs (the many-program partials of short rows): 256 partial rows a step.
+    gen = torch.Generator(device=device).manual_seed(p + n)
+    partial = torch.randn(p, n, device=device, generator=gen)
+    like = torch.empty(n, device=device)
+    launches = _launches(monkeypatch, common)
+    with poisoned_outputs():
+        got = common.column_sum(partial, like, num_sms(torch.device(device)))
+    assert got.shape == (n,)
+    torch.testing.assert_close(got.double(), partial.double().sum(0), rtol=1e-5, atol=1e-5)
+    assert [kw["BLOCK_P"] for _, _, kw in launches] == [block_p]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("design", [mod.WideBackward(4.0, 4, 512, 4), mod.WideBackward(8.0, 4, 512, 8),
-                                    mod.WideBackward(1.0, 2, 1024, 4)], ids=["default", "8-warps", "wide-strips"])
+@pytest.mark.parametrize("shape", [(40000, 256), (36000, 1000), (4096, 8192), (3000, 2048)])
+def test_gpu_fused_designs_at_real_sizes(shape):
+    # 8 programs per SM (rows enough), the pipelined loop of add+RMSNorm, and the fallbacks, compiled for the GPU.
+    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
+        check_spec(registry.get(op), shape, "bfloat16", device="cuda", trials=1).raise_if_failed()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("design", [common.WideBackward(4.0, 4, 512, 4), common.WideBackward(8.0, 4, 512, 8),
+                                    common.WideBackward(1.0, 2, 1024, 4)], ids=["default", "8-warps", "wide-strips"])
 @pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16")])
 def test_gpu_designs_at_real_widths(design, shape, dtype, monkeypatch):
     monkeypatch.setattr(mod, "WIDE_BWD", design)

@@ -20,20 +20,25 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty, empty_like
-from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
+from ..runtime.alloc import empty, empty_like
+from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
-from .rms_norm import WideBackward, _check_trailing, _column_sum
+from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 
 # Longest row the forward holds in registers; longer rows take the looped kernels.
 MAX_FUSED_N = 32768
 # The fused backward also keeps w, dw and db (3 fp32 rows) in registers: at 16384 ptxas spills
 # ~1.4 KB a thread, and at 32768 no row tile fits 32 elements a thread at all. Longer rows take a
-# wide-row backward (WideBackward in ops/rms_norm.py).
+# wide-row backward (WideBackward in ops/_norm_common.py).
 MAX_FUSED_BWD_N = 8192
 LOOP_BLOCK_N = 4096
+# The fused backward by row block, as RMSNorm's (ops/rms_norm.py FUSED_BWD). H100, bf16, 128 MB inputs, backward
+# µs, 8 vs 2 programs per SM (benchmarks/experiments/h100/2026-11-25-norm-bwd-candidates): 280 vs 369 at 256
+# columns, 278 vs 341 at 1024, 275 vs 239 and 344 (two readings of one design) at 512, where torch.compile's 180
+# beats both: a loss that remains.
+FUSED_BWD = (FusedBackward(1024, 8, min_rows=32), FusedBackward(2048, 2), FusedBackward(MAX_FUSED_N, 1))
 # The column-strip backward of wide rows; on the H100 at 16K-64K columns (norm_width_sweep.json) 1630 GB/s in
 # bf16 and 1690 in fp32, where the looped kernel before it ran 590-1200. Tests and benchmarks set others.
 WIDE_BWD = WideBackward(4.0, 4, 512, 4)
@@ -104,7 +109,7 @@ def layer_norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, 
 @triton.jit
 def layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx, M, N,
                           HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ROWS: tl.constexpr):
+                          ROWS: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -112,7 +117,7 @@ def layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stri
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+    for start in tl.range(pid * ROWS, M, tl.num_programs(0) * ROWS, num_stages=STAGES):
         rows = start + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -246,10 +251,7 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, 
     c = empty((m, 2), dtype=torch.float32, device=x2.device)
     launch(layer_norm_bwd_row_dot_kernel, (m,), None, dy2, x2, w, mean, rstd, c, dy2.stride(0), x2.stride(0), n,
            HAS_WEIGHT=has_w, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
-    strips = cdiv(n, cfg.block_n)
-    groups = max(1, min(cdiv(m, cfg.rows), round(sms * cfg.programs_per_sm / strips)))
-    per_group = cdiv(cdiv(m, groups), cfg.rows) * cfg.rows
-    groups = cdiv(m, per_group)  # less any group the rounding left without rows
+    strips, groups, per_group = cfg.row_groups(sms, m, n)
     dw_part = empty((groups, n), dtype=torch.float32, device=x2.device) if has_w else x2
     db_part = empty((groups, n), dtype=torch.float32, device=x2.device) if has_b else x2
     launch(layer_norm_bwd_strip_kernel, (strips, groups), None, dy2, x2, w, mean, rstd, c, dx2, dw_part, db_part,
@@ -277,16 +279,17 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
     if n <= min(MAX_FUSED_N, MAX_FUSED_BWD_N):
-        # One or two programs per SM, as measured for RMSNorm's backward on the H100.
-        programs = min(m, sms * (2 if next_pow2(n) <= 2048 else 1))
+        block_n = next_pow2(n)
+        cfg = fused_backward(FUSED_BWD, block_n, m, sms)
+        programs = cfg.programs(sms, m)
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
         db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_b else x2
         launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), dy2, x2, w, mean,
-               rstd, dx2, dw_part, db_part, *strides, m, n, **flags, BLOCK_N=next_pow2(n))
+               rstd, dx2, dw_part, db_part, *strides, m, n, **flags, BLOCK_N=block_n, STAGES=cfg.stages)
     else:
         dw_part, db_part = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b)
-    dw = _column_sum(dw_part, weight) if has_w else none
-    db = _column_sum(db_part, bias) if has_b else none
+    dw = column_sum(dw_part, weight, sms) if has_w else none
+    db = column_sum(db_part, bias, sms) if has_b else none
     return dx, dw, db
 
 
@@ -381,11 +384,9 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..tune import interpreting
-
         if x.device.type != "cuda" and not interpreting():
             return super().forward(x)
-        _check_trailing(x, self.normalized_shape, type(self).__name__)
+        validate_trailing(x, self.normalized_shape, type(self).__name__)
         n = math.prod(self.normalized_shape)
         w = self.weight.reshape(n) if self.weight is not None else None
         b = self.bias.reshape(n) if self.bias is not None else None

@@ -12,7 +12,6 @@ share of dw in registers over a group of rows.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,10 +20,11 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty, empty_like
-from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
+from ..runtime.alloc import empty, empty_like
+from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
+from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 from .registry import OpSpec, optional_import, register
 
 # Longest row held in registers by one program; longer rows take the looped kernels.
@@ -37,21 +37,17 @@ MAX_FUSED_BWD_N = 16384
 MAX_FUSED_BWD_N_FP32_DS = 8192
 # Chunk of a long row processed per loop step.
 LOOP_BLOCK_N = 4096
-
-
-@dataclass(frozen=True)
-class WideBackward:
-    """How the backward runs rows over the fused backward's limit (LayerNorm's too): a first kernel sums
-    x·w·dy per row; a second, on a grid of `block_n`-wide column strips × row groups (about
-    `programs_per_sm` programs per SM, `num_warps` warps each), writes dx of its strip `rows` rows at a
-    time and keeps the strip's share of dweight in registers over its row group. x and dy are read twice
-    (10 bytes an element in bf16 against 6 ideal), but every read is a plain stream.
-    """
-
-    programs_per_sm: float
-    rows: int
-    block_n: int
-    num_warps: int
+# The fused backward by row block. Rows of up to 1024 columns run 8 programs per SM where each gets 32 rows or
+# more (more warps resident: the autotuner may then pick small tiles), else two per SM up to 2048 columns and
+# one beyond (measured on the H100 at 2048-16384 columns: more only adds dw partial traffic). H100, bf16, 128 MB
+# inputs, backward µs, 8 vs 2 programs per SM (benchmarks/experiments/h100/2026-11-25-norm-bwd-candidates, a
+# noisy run: one design read twice differed by up to 2.5x): 173 vs 182 and 450 at 512 columns, 152 vs 159 at
+# 1024; at 256, 408 for 8 against 279 and 298 for 2 (and 195 for 4): weak evidence, see the README there.
+FUSED_BWD = (FusedBackward(1024, 8, min_rows=32), FusedBackward(2048, 2), FusedBackward(MAX_FUSED_N, 1))
+# add+RMSNorm's backward reads dsummed too, after the row sum (a barrier): its row loop is pipelined, which keeps
+# the next rows' three loads in flight. Same run, pipelined vs not at equal programs: faster in 15 of 18 pairs
+# over 256-8192 columns, e.g. 198 vs 212 µs at 8192, 196 vs 212 at 4096, 210 vs 242 at 512.
+FUSED_BWD_DS = (FusedBackward(2048, 2, stages=2), FusedBackward(MAX_FUSED_N, 1, stages=2))
 
 
 # Measured on the H100 at 16K-64K columns, 128 MB inputs (benchmarks/results/h100/norm_width_sweep.json):
@@ -125,7 +121,8 @@ def rms_norm_fwd_looped_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s
           prune_configs_by={"early_config_prune": prune_row_tiles(32)})
 @triton.jit
 def rms_norm_bwd_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N, offset,
-                        HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                        HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                        STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -133,7 +130,7 @@ def rms_norm_bwd_kernel(DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x,
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Persistent: program pid owns row blocks pid, pid + G, ... and keeps its dw share in registers.
-    for start in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+    for start in tl.range(pid * ROWS, M, tl.num_programs(0) * ROWS, num_stages=STAGES):
         rows = start + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -204,27 +201,6 @@ def rms_norm_bwd_strip_kernel(DY, X, W, RSTD, C, DS, DX, DW_PARTIAL, stride_dy, 
         tl.store(DW_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-@triton.jit
-def dw_column_sum_kernel(PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Second stage of dweight: sum the (P, N) fp32 partials over P, round once to the weight dtype."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        m = (rows[:, None] < P) & (cols[None, :] < N)
-        acc += tl.load(PARTIAL + rows[:, None].to(tl.int64) * N + cols[None, :], mask=m, other=0.0)
-    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cols < N)
-
-
-def _column_sum(partial: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    p, n = partial.shape
-    dw = empty((n,), dtype=like.dtype, device=like.device)
-    # Narrow column strips so that even N = 2048 spreads over ~64+ programs.
-    block_n = 32 if n <= 8192 else 128
-    launch(dw_column_sum_kernel, (cdiv(n, block_n),), None, partial, dw, p, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4)
-    return dw
-
-
 def _validate_inputs(x, weight, eps):
     """Checks x, weight and eps; returns weight as the kernels index it (unit stride, copied if not)."""
     _validate.tensor(x, "x", min_dim=1)
@@ -274,10 +250,7 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, 
     c = empty((m,), dtype=torch.float32, device=x2.device)
     launch(rms_norm_bwd_row_dot_kernel, (m,), None, dy2, x2, w, rstd, c, dy2.stride(0), x2.stride(0), n, offset,
            HAS_WEIGHT=has_w, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
-    strips = cdiv(n, cfg.block_n)
-    groups = max(1, min(cdiv(m, cfg.rows), round(sms * cfg.programs_per_sm / strips)))
-    per_group = cdiv(cdiv(m, groups), cfg.rows) * cfg.rows
-    groups = cdiv(m, per_group)  # less any group the rounding left without rows
+    strips, groups, per_group = cfg.row_groups(sms, m, n)
     partial = empty((groups, n), dtype=torch.float32, device=x2.device) if has_w else x2
     launch(rms_norm_bwd_strip_kernel, (strips, groups), None, dy2, x2, w, rstd, c, ds2, dx2, partial, dy2.stride(0),
            x2.stride(0), ds2.stride(0), dx2.stride(0), m, n, per_group, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds,
@@ -310,16 +283,15 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
         fused_limit = min(fused_limit, MAX_FUSED_BWD_N_FP32_DS)
     if n <= fused_limit:
         block_n = next_pow2(n)
-        # One or two programs per SM (measured on the H100: more only adds dw partial traffic);
-        # each owns one fp32 row of the dw partial.
-        programs = min(m, sms * (2 if block_n <= 2048 else 1))
+        cfg = fused_backward(FUSED_BWD_DS if has_ds else FUSED_BWD, block_n, m, sms)
+        programs = cfg.programs(sms, m)
         partial = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_w else x2
         launch(rms_norm_bwd_kernel, (programs,), (n, has_w, has_ds, x.dtype, dy.dtype, w.dtype, ds2.dtype),
                dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
-               m, n, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds, BLOCK_N=block_n)
+               m, n, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds, BLOCK_N=block_n, STAGES=cfg.stages)
     else:
         partial = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds)
-    dw = _column_sum(partial, weight) if has_w else x.new_empty(0)
+    dw = column_sum(partial, weight, sms) if has_w else x.new_empty(0)
     return dx, dw
 
 
@@ -515,15 +487,6 @@ def _liger_add_loader():
     return lambda x, residual, weight=None, eps=1e-6, offset=0.0: fn(x, residual, weight, eps, offset, "llama", False)
 
 
-def _check_trailing(x, normalized_shape, module: str) -> None:
-    """The clear error for an input whose trailing dims are not the module's normalized_shape."""
-    k = len(normalized_shape)
-    if not isinstance(x, torch.Tensor) or x.dim() < k or tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape):
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{module}({tuple(normalized_shape)}) got an input of shape {got}: its last "
-                         f"{k} dim(s) must be {tuple(normalized_shape)}")
-
-
 class RMSNorm(torch.nn.RMSNorm):
     """Drop-in for `torch.nn.RMSNorm` (same constructor and state_dict) running kernelkit's kernel.
 
@@ -537,12 +500,10 @@ class RMSNorm(torch.nn.RMSNorm):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..tune import interpreting
-
         if x.device.type != "cuda" and not interpreting():
             w = self.weight + self.offset if self.weight is not None and self.offset else self.weight
             return F.rms_norm(x, self.normalized_shape, w, self.eps)
-        _check_trailing(x, self.normalized_shape, type(self).__name__)
+        validate_trailing(x, self.normalized_shape, type(self).__name__)
         n = math.prod(self.normalized_shape)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         w = self.weight.reshape(n) if self.weight is not None else None
