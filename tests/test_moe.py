@@ -13,6 +13,7 @@ import torch
 import kernelkit
 from kernelkit.ops import moe as M
 from kernelkit.ops.gemm import grouped as G
+from kernelkit.ops.gemm import mx as GMX
 from kernelkit.ops import mxfp8 as MX
 from kernelkit.ops.moe.fp8 import experts_grads_reference_fp8, reference_fp8, reference_mxfp8
 from kernelkit.ops import registry
@@ -170,7 +171,7 @@ def test_no_host_sync(device, monkeypatch):
         return method
 
     monkeypatch.setattr(G, "launch", launch)
-    monkeypatch.setattr(MX, "launch", launch)  # the MXFP8 quantizer's launches
+    monkeypatch.setattr(GMX, "launch", launch)  # the MXFP8 quantizer's launches
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, guarded(name))
     y = M.moe(x, r, gu, d, k)
