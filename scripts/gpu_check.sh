@@ -101,7 +101,8 @@ if has gemm && [ -f benchmarks/gemm.py ]; then
 fi
 if has demo; then  # `make demo` on a new machine: no tuning cache, no compiled kernels; the image's python as .venv
   log "make demo, cold caches"
-  mkdir -p .venv/bin && ln -sf "$(command -v python3)" .venv/bin/python
+  # a script, not a symlink: a link to the image's venv python would lose that venv's site-packages
+  mkdir -p .venv/bin && printf '#!/bin/sh\nexec python3 "$@"\n' > .venv/bin/python && chmod +x .venv/bin/python
   printf '#!/bin/sh\nexec python3 -m kernelkit "$@"\n' > .venv/bin/kernelkit && chmod +x .venv/bin/kernelkit && touch .venv/.installed
   t0=$(date +%s)
   KERNELKIT_CACHE=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-300} make demo 2>&1 | tee "$RES/demo.log" | tail -30
