@@ -10,7 +10,7 @@ import kernelkit.ops.cross_entropy as ce
 from kernelkit.ops import _validate, registry
 from kernelkit.ops.cross_entropy import cross_entropy, reference
 from kernelkit.testing import check, check_spec, rel_error
-from kernelkit.tune import cdiv
+from kernelkit.runtime import cdiv
 
 SPEC = registry.get("cross_entropy")
 FEATURES = {
@@ -106,6 +106,21 @@ def test_loss_backward_leaves_the_saved_gradient_untouched(device):
     xr = x.detach().double().requires_grad_()
     reference(xr, t).backward()
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_eager_backward_scales_the_saved_dlogits_in_place(device, monkeypatch):
+    # Eager, grad_in_forward: the backward scales the forward's dlogits in place and hands that buffer over, no
+    # (N, V) allocation (a compiled graph is functional: its backward op scales into a new buffer).
+    x, t = _inputs(9, 200, device)
+    x.requires_grad_()
+    loss = cross_entropy(x, t, grad_in_forward=True)
+    shapes, real = [], ce.empty
+    monkeypatch.setattr(ce, "empty", lambda shape, **kw: (shapes.append(tuple(shape)), real(shape, **kw))[1])
+    (got,) = torch.autograd.grad(loss * 2.5, x)
+    assert (9, 200) not in shapes, shapes
+    xr = x.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(reference(xr, t) * 2.5, xr)
+    assert rel_error(got, want) < 1e-5
 
 
 def test_grad_in_forward_matches_recompute(device):
@@ -294,7 +309,7 @@ def test_nan_propagates_like_torch(device):
 
 def test_out_of_range_target_on_gpu_path_gives_nan_row(device, monkeypatch):
     # What the GPU does without the CPU-only check: that token's loss is NaN, nothing is read out of bounds.
-    monkeypatch.setattr(ce, "_check_target_values", lambda *a: None)
+    monkeypatch.setattr(_validate, "target_values", lambda *a: None)
     x, t = _inputs(5, 30, device)
     t[1], t[3] = 30, -7
     got = cross_entropy(x, t, reduction="none")

@@ -112,16 +112,18 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
         kernelkit.swiglu(torch.ones(2, 8), torch.ones(2, 8))
 
 
-@pytest.mark.parametrize("name,fn,extra", [("swiglu", mod.swiglu, ()), ("geglu", mod.geglu, ("none",))])
-def test_custom_op_schema_fake_trace_and_compile(name, fn, extra, device):
+@pytest.mark.parametrize("name,fn,extra,act", [("swiglu", mod.swiglu, (), mod.SILU),
+                                                ("geglu", mod.geglu, ("none",), mod.GELU_ERF)])
+def test_custom_op_schema_fake_trace_and_compile(name, fn, extra, act, device):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    op = getattr(torch.ops.kernelkit, name).default
-    g, u = torch.randn(3, 40, device=device), torch.randn(3, 40, device=device)
-    for args in ((g, u, *extra), (torch.randn(3, 80, device=device), None, *extra)):
+    op, bwd = getattr(torch.ops.kernelkit, name).default, getattr(torch.ops.kernelkit, f"{name}_bwd").default
+    g, u, gu = torch.randn(3, 40, device=device), torch.randn(3, 40, device=device), torch.randn(3, 80, device=device)
+    for args in ((g, u, *extra), (gu, None, *extra)):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.kernelkit.glu_bwd.default, (torch.randn_like(g), g, u, 0),
-                          test_utils=("test_schema", "test_faketensor"))
+    # The backward returns [dgate, dup], or [dgate] alone for the concatenated layout: the fake must agree.
+    for args in ((torch.randn_like(g), g, u, act), (torch.randn_like(g), gu, None, act)):
+        torch.library.opcheck(bwd, args, test_utils=("test_schema", "test_faketensor"))
     gm = make_fx(lambda g, u: fn(g, u, *extra), tracing_mode="fake")(g, u)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert calls == [op], calls

@@ -4,11 +4,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernelkit.ops.linear_cross_entropy as lce
-from kernelkit.ops import registry
+from kernelkit.ops import _validate, registry
 from kernelkit.ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy, reference
 from kernelkit.testing import check, check_spec, rel_error
 from kernelkit.testing.graph import compile_as_one_node
-from kernelkit.testing.poison import poisoned_outputs
+from kernelkit.runtime.alloc import poisoned_outputs
 
 SPEC = registry.get("linear_cross_entropy")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -176,7 +176,8 @@ def test_chunk_rows_from_the_memory_budget(monkeypatch):
 
 class _Record(TorchDispatchMode):
     """Every aten op, and the sizes of the tensors allocated by those that return new ones (mutating ops,
-    out= variants included, write into tensors allocated before; Triton kernels write through pointers)."""
+    out= variants included, write into tensors allocated before, views allocate nothing; Triton kernels write
+    through pointers)."""
 
     def __init__(self):
         super().__init__()
@@ -185,7 +186,7 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops.append(func)
-        if not func._schema.is_mutable:
+        if not func._schema.is_mutable and not func.is_view:
             for o in (out if isinstance(out, (tuple, list)) else [out]):
                 if isinstance(o, torch.Tensor):
                     self.numels.append(o.numel())
@@ -264,6 +265,21 @@ def test_grad_output_scales_in_place_on_first_backward(device):
     (reference(xr, wr, t) * 3.0).backward()
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(w.grad.double(), wr.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_eager_backward_scales_the_saved_gradients_in_place(device):
+    # The eager backward scales the gradients the forward computed in place: nothing gradient-sized is allocated
+    # (a compiled graph is functional and multiplies them into new tensors).
+    x, w, t, b = _inputs(20, 12, 70, device, bias=True)
+    params = [a.requires_grad_() for a in (x, w, b)]
+    loss = linear_cross_entropy(x, w, t, b, chunk_size=7)
+    with _Record() as rec:
+        got = torch.autograd.grad(loss * 3.0, params)
+    assert max(rec.numels, default=0) <= 1, rec.numels
+    refs = [a.detach().double().requires_grad_() for a in params]
+    want = torch.autograd.grad(reference(*refs[:2], t, refs[2]) * 3.0, refs)
+    for a, e in zip(got, want):
+        assert rel_error(a, e) < 1e-5
 
 
 def test_loss_is_fp32_for_bf16_inputs(device):
@@ -376,6 +392,21 @@ def test_bad_input_names_the_argument(case, device):
         return
     with pytest.raises(exc, match=match):
         linear_cross_entropy(h, w, t, **args)
+
+
+def test_out_of_range_target_on_gpu_path_gives_nan_row(device, monkeypatch):
+    # What the GPU does without the CPU-only check (shared with cross_entropy): NaN for that token, nothing
+    # read out of bounds, the other tokens untouched.
+    monkeypatch.setattr(_validate, "target_values", lambda *a: None)
+    x, w, t, _ = _inputs(7, 8, 30, device)
+    t[1], t[4] = 30, -7
+    got = linear_cross_entropy(x, w, t, reduction="none", chunk_size=3)
+    ok = t.clone()
+    ok[1] = ok[4] = 0
+    want = reference(x.double(), w.double(), ok, reduction="none")
+    assert got[1].isnan() and got[4].isnan()
+    keep = [0, 2, 3, 5, 6]
+    assert rel_error(got[keep], want[keep]) < 1e-5
 
 
 def test_devices_must_match(device):

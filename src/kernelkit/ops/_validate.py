@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..tune import interpreting
+from ..runtime import interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,3 +119,14 @@ def loss_options(ignore_index, label_smoothing, z_loss, softcap, reduction):
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, got {reduction!r}")
     return ignore_index, float(label_smoothing), float(z_loss), (None if softcap is None else float(softcap)), reduction
+
+
+def target_values(target: torch.Tensor, v: int, ignore_index: int) -> None:
+    """The cross-entropy losses' class indices: in [0, V) or ignore_index. Checked only where it is free (CPU
+    tensors): on the GPU it would cost a device sync per call, so there an out-of-range index gives its token a
+    NaN loss (and gradient) instead."""
+    if target.device.type == "cpu" and target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= v))
+        if bool(bad.any()):
+            raise ValueError(f"target holds class index {int(target[bad][0])} outside [0, {v}) "
+                             f"(and not ignore_index={ignore_index})")

@@ -30,14 +30,13 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import autotune, interpreting, launch, next_pow2, num_sms
+from ..runtime.alloc import empty
+from ..runtime import autotune, interpreting, launch, next_pow2, num_sms
 from . import _validate
-from ._dispatch import differentiable_backward, dispatch, reference_vjp, traced, wants_grad
+from ._ce_common import TARGET_DTYPES, class_weight_buffer, mean_divisor, weight_launch_args
+from ._dispatch import Op, reference_vjp, traced, wants_grad
 from .registry import OpSpec, optional_import, register
 
-REDUCTIONS = ("mean", "sum", "none")
-TARGET_DTYPES = (torch.int64, torch.int32)
 # Chunk of a row per loop step: 16 fp32 per thread at 16 warps, and 16 KB of bf16 in flight per chunk.
 MAX_BLOCK_V = 8192
 
@@ -259,17 +258,14 @@ def _block_v(v: int) -> int:
     return min(MAX_BLOCK_V, max(16, next_pow2(v)))
 
 
-_check_scalars = _validate.loss_options  # shared with the fused linear cross-entropy
-
-
-def _float_tensor(x, name):
+def _validate_float(x, name):
     if isinstance(x, torch.Tensor) and x.is_meta and x.dtype in _validate.FLOAT_DTYPES:
         return x  # a meta call runs no kernel: only shapes and dtypes matter
     return _validate.tensor(x, name)
 
 
-def _check_tensors(logits, target, weight=None):
-    _float_tensor(logits, "logits")
+def _validate_tensors(logits, target, weight=None):
+    _validate_float(logits, "logits")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (N, V), got shape {tuple(logits.shape)}; flatten (B, T, V) "
                          f"logits with logits.view(-1, V) and targets with target.view(-1)")
@@ -286,48 +282,11 @@ def _check_tensors(logits, target, weight=None):
     if v == 0 and n > 0:
         raise ValueError("logits has V = 0 classes; cross-entropy needs at least one")
     if weight is not None:
-        _float_tensor(weight, "weight")
+        _validate_float(weight, "weight")
         if weight.shape != (v,):
             raise ValueError(f"weight must have shape ({v},), one weight per class of logits (N, V) = "
                              f"{tuple(logits.shape)}, got {tuple(weight.shape)}")
         _validate.same_device(weight, "weight", logits, "logits")
-
-
-def _check_target_values(target, v, ignore_index):
-    """Class indices in [0, V) or ignore_index. Checked only where it is free: on the GPU it would
-    cost a device sync per call, so there an out-of-range index gives its row a NaN loss instead."""
-    if target.device.type == "cpu" and target.numel():
-        bad = (target != ignore_index) & ((target < 0) | (target >= v))
-        if bool(bad.any()):
-            raise ValueError(f"target holds class index {int(target[bad][0])} outside [0, {v}) "
-                             f"(and not ignore_index={ignore_index})")
-
-
-def class_weight_buffer(weight, v):
-    """The class weights as the kernels read them: V fp32 values, then their sum (torch's smoothing
-    term needs it). A tiny copy, so any float dtype and layout of `weight` is taken. Shared with
-    ops/linear_cross_entropy.py, as are `mean_divisor` and `weight_launch_args`."""
-    if weight is None:
-        return None
-    w = weight.detach().to(torch.float32)
-    return torch.cat([w, w.sum().reshape(1)])
-
-
-def mean_divisor(t, wbuf, v, ignore_index):
-    """What 'mean' divides by: the non-ignored tokens, or (with class weights, as torch) their weights' sum."""
-    valid = t != ignore_index
-    if wbuf is None:
-        return valid.sum()
-    return torch.where(valid, wbuf[torch.where(valid & (t >= 0) & (t < v), t, 0)], 0.0).sum()
-
-
-def weight_launch_args(flags, wbuf):
-    # Only when weighted, so that an unweighted launch keeps the cache key that ops/linear_cross_entropy.py
-    # shares and the lean launch path (a tensor passed by keyword takes Triton's own launch path).
-    if wbuf is None:
-        return {}
-    flags["HAS_WEIGHT"] = True
-    return {"WEIGHT": wbuf}
 
 
 def _reduce(rows: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -337,16 +296,17 @@ def _reduce(rows: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Te
     return total / count if reduction == "mean" else total
 
 
-def cross_entropy_fwd(logits, target, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
-                      reduction="mean", grad_in_forward=False):
+def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                      label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
+                      grad_in_forward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward. Returns (loss, z_loss, lse, dlogits): loss and z_loss fp32 (0-dim, or (N,) for
     reduction='none'), lse (N,) fp32, dlogits (N, V) in logits' dtype when grad_in_forward else (0,).
     Logits are read with their row stride (a row-padded or row-sliced view is not copied)."""
-    _check_tensors(logits, target, weight)
-    ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
+    _validate_tensors(logits, target, weight)
+    ignore_index, label_smoothing, z_loss, softcap, reduction = _validate.loss_options(
         ignore_index, label_smoothing, z_loss, softcap, reduction)
     n, v = logits.shape
-    _check_target_values(target, v, ignore_index)
+    _validate.target_values(target, v, ignore_index)
     x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), class_weight_buffer(weight, v)
     loss_rows = empty((n,), dtype=torch.float32, device=logits.device)
     lse = empty((n,), dtype=torch.float32, device=logits.device)
@@ -368,9 +328,13 @@ def cross_entropy_fwd(logits, target, weight=None, ignore_index=-100, label_smoo
     return loss, zl, lse, dlogits
 
 
-def cross_entropy_bwd(grad, logits, target, lse, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                      softcap=None, reduction="mean"):
-    """The recompute backward: dlogits (N, V) in logits' dtype from the logits and the saved lse."""
+def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                      weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
+                      softcap: Optional[float], reduction: str, grad_in_forward: bool) -> torch.Tensor:
+    """The recompute backward: dlogits (N, V) in logits' dtype from the logits and the saved lse. With
+    grad_in_forward, `logits` holds the forward's dlogits, scaled by grad into a new tensor (`scale_grad`)."""
+    if grad_in_forward:
+        return scale_grad(logits, grad, target, ignore_index)
     n, v = logits.shape
     x, t, wbuf = _validate.rows_2d(logits, v), _validate.unit_last(target), class_weight_buffer(weight, v)
     dx = empty((n, v), dtype=logits.dtype, device=logits.device)
@@ -403,20 +367,11 @@ def scale_grad(dlogits, grad, target, ignore_index=-100, applied=None, in_place=
     return out
 
 
-# --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
+# --- the op, declared once: custom ops (torch.compile), fakes, autograd, the eager path ---
 
-@torch.library.custom_op("kernelkit::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
-                      label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
-                      grad_in_forward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                             grad_in_forward)
-
-
-@_cross_entropy_op.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
-    _check_tensors(logits, target, weight)
-    _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction)
+def _fake(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
+    _validate_tensors(logits, target, weight)
+    _validate.loss_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     n, v = logits.shape
     shape = (n,) if reduction == "none" else ()
     f32 = torch.float32
@@ -424,92 +379,53 @@ def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, re
             logits.new_empty((n, v) if grad_in_forward else (0,)))
 
 
-@torch.library.custom_op("kernelkit::cross_entropy_bwd", mutates_args=())
-def _cross_entropy_bwd_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                          weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
-                          softcap: Optional[float], reduction: str, grad_in_forward: bool) -> torch.Tensor:
-    # With grad_in_forward, `logits` holds the saved dlogits; a functional graph cannot scale it in place.
-    if grad_in_forward:
-        return scale_grad(logits, grad, target, ignore_index)
-    return cross_entropy_bwd(grad, logits, target, lse, weight, ignore_index, label_smoothing, z_loss, softcap,
-                             reduction)
-
-
-@_cross_entropy_bwd_op.register_fake
-def _(grad, logits, target, lse, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward):
-    return logits.new_empty(logits.shape)
-
-
-def _no_weight_grad(ctx):
+def _validate_no_weight_grad(ctx):
     if ctx.needs_input_grad[2]:  # as torch's: F.cross_entropy has no derivative for weight either
         raise NotImplementedError("kernelkit.cross_entropy has no gradient for `weight`: pass the class weights "
                                   "detached (torch.nn.functional.cross_entropy has none either)")
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward = inputs
+    logits, target, weight, *args = inputs  # args: ignore_index, ..., reduction, grad_in_forward
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(output[3] if grad_in_forward else logits, target, output[2], weight)
-    ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward)
+    ctx.save_for_backward(output[3] if args[-1] else logits, target, output[2], weight)
+    ctx.args, ctx.applied = tuple(args), None
 
 
-def _backward(ctx, dloss, _dz, _dlse, _ddlogits):
-    _no_weight_grad(ctx)
+def _backward(ctx, kernels, dloss, _dz):
+    _validate_no_weight_grad(ctx)
     saved, target, lse, weight = ctx.saved_tensors
-    return (_cross_entropy_bwd_op(dloss, saved, target, lse, weight, *ctx.args),) + (None,) * 8
-
-
-_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+    if ctx.args[-1] and kernels.bwd is cross_entropy_bwd:
+        # Eager grad_in_forward: the saved dlogits are this call's own buffer (a compiled graph is functional
+        # and takes the kernel's out-of-place scale instead).
+        ignore_index = ctx.args[0]
+        if ctx.applied is None:
+            # First backward: scale the saved gradient in place and hand over that buffer.
+            ctx.applied = dloss.detach().to(torch.float32, copy=True).contiguous()
+            return (scale_grad(saved, dloss, target, ignore_index, in_place=True),) + (None,) * 8
+        # Again through a retained graph: the buffer (and the gradient handed out before) holds
+        # dlogits * first grad_output; divide that out into a fresh buffer. Exact unless the first
+        # grad_output was 0 or non-finite, which gives NaN here.
+        return (scale_grad(saved, dloss, target, ignore_index, applied=ctx.applied),) + (None,) * 8
+    return (kernels.bwd(dloss, saved, target, lse, weight, *ctx.args),) + (None,) * 8
 
 
 def _double_backward(ctx, dloss, _dz):
     """create_graph=True: the gradient of the PyTorch reference, differentiable (needs the saved logits)."""
-    _no_weight_grad(ctx)
-    if ctx.grad_in_forward:
+    _validate_no_weight_grad(ctx)
+    ignore_index, label_smoothing, z_loss, softcap, reduction, grad_in_forward = ctx.args
+    if grad_in_forward:
         raise RuntimeError("kernelkit.cross_entropy has no double backward with grad_in_forward=True (the forward "
                            "kept dlogits, not the logits): call it with grad_in_forward=False for create_graph=True")
     logits, target, _, weight = ctx.saved_tensors
-    ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.args
     ref = functools.partial(reference, target=target, weight=weight, ignore_index=ignore_index,
                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction)
     return reference_vjp(ref, (logits,), (dloss,), 9)
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    """The eager path, where the grad_in_forward backward can scale the saved dlogits in place."""
-
-    @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                grad_in_forward):
-        loss, zl, lse, dlogits = cross_entropy_fwd(logits, target, weight, ignore_index, label_smoothing, z_loss,
-                                                   softcap, reduction, grad_in_forward)
-        ctx.mark_non_differentiable(zl)
-        ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
-        ctx.grad_in_forward, ctx.applied = grad_in_forward, None
-        ctx.save_for_backward(*((dlogits, target, None, weight) if grad_in_forward else (logits, target, lse, weight)))
-        return loss, zl
-
-    @staticmethod
-    @differentiable_backward(lambda ctx, dloss, dz: _double_backward(ctx, dloss, dz), "cross_entropy")
-    def backward(ctx, dloss, _dz):
-        _no_weight_grad(ctx)
-        ignore_index = ctx.args[0]
-        if not ctx.grad_in_forward:
-            logits, target, lse, weight = ctx.saved_tensors
-            return (cross_entropy_bwd(dloss, logits, target, lse, weight, *ctx.args),) + (None,) * 8
-        dlogits, target, _, _ = ctx.saved_tensors
-        if ctx.applied is None:
-            # First backward: scale the saved gradient in place and hand over that buffer.
-            ctx.applied = dloss.detach().to(torch.float32, copy=True).contiguous()
-            return (scale_grad(dlogits, dloss, target, ignore_index, in_place=True),) + (None,) * 8
-        # Again through a retained graph: the buffer (and the gradient handed out before) holds
-        # dlogits * first grad_output; divide that out into a fresh buffer. Exact unless the first
-        # grad_output was 0 or non-finite, which gives NaN here.
-        return (scale_grad(dlogits, dloss, target, ignore_index, applied=ctx.applied),) + (None,) * 8
-
-
-def _loss_and_z(out):
-    return out[0], out[1]
+CROSS_ENTROPY = Op("cross_entropy", cross_entropy_fwd, fake=_fake, setup_context=_setup_context, backward=_backward,
+                   bwd=cross_entropy_bwd, bwd_fake=lambda grad, logits, *_: logits.new_empty(logits.shape),
+                   double_backward=_double_backward, n_grad=3, public=(0, 1))
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
@@ -542,13 +458,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
     backward (create_graph=True) differentiates the PyTorch reference when the logits were kept
     (``grad_in_forward=False``) and raises otherwise.
     """
-    ignore_index, label_smoothing, z_loss, softcap, reduction = _check_scalars(
+    ignore_index, label_smoothing, z_loss, softcap, reduction = _validate.loss_options(
         ignore_index, label_smoothing, z_loss, softcap, reduction)
     if grad_in_forward is None:
         grad_in_forward = reduction != "none" and not traced(logits)
-    args = (logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
-            bool(grad_in_forward) and wants_grad(logits))
-    loss, zl = dispatch(_cross_entropy_op, cross_entropy_fwd, _CrossEntropyFunction, 3, args, _loss_and_z)
+    loss, zl = CROSS_ENTROPY(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                             bool(grad_in_forward) and wants_grad(logits))
     return (loss, zl) if return_z_loss else loss
 
 

@@ -20,16 +20,15 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import autotune, cdiv, launch, next_pow2
+from ..runtime.alloc import empty
+from ..runtime import autotune, cdiv, launch, next_pow2
 from . import _validate
-from ._dispatch import differentiable_backward, dispatch, reference_vjp
+from ._dispatch import Op, reference_vjp
 from .registry import OpSpec, optional_import, register
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU = ("tanh", "none")
 _ACTS = {"tanh": GELU_TANH, "none": GELU_ERF}
-_NAMES = {v: k for k, v in _ACTS.items()}
 # Kernels may read only constexpr globals.
 TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 GELU_CUBIC = tl.constexpr(0.044715)
@@ -119,22 +118,6 @@ def glu_bwd_kernel(DO, G, U, DG, DU, stride_do, stride_g, stride_u, stride_dg, s
     tl.store(DU + offs_du, (do * a).to(DU.dtype.element_ty), mask=mask)
 
 
-def _check(gate: torch.Tensor, up: torch.Tensor | None) -> int:
-    """Validate the inputs; return H, the output's last dim."""
-    _validate.tensor(gate, "gate", min_dim=1)
-    if up is None:
-        if gate.shape[-1] % 2:
-            raise ValueError(f"gate holds gate and up concatenated, so its last dim must be even, got {gate.shape[-1]}")
-        return gate.shape[-1] // 2
-    _validate.tensor(up, "up")
-    _validate.same_device(up, "up", gate, "gate")
-    if up.shape != gate.shape:
-        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up has dtype {up.dtype} but gate has {gate.dtype}; use one dtype")
-    return gate.shape[-1]
-
-
 def _rows(gate: torch.Tensor, up: torch.Tensor | None, h: int):
     """(rows, H) views of gate and up with a unit stride along H (the two halves of a gate-up tensor)."""
     if up is None:
@@ -158,8 +141,20 @@ def _launch(kernel, key: tuple, tensors: list, rows: int, h: int, act: int) -> N
 
 
 def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
-    """Launch the forward: act(gate) * up of shape (..., H) in gate's dtype."""
-    h = _check(gate, up)
+    """Validate the inputs and launch the forward: act(gate) * up of shape (..., H) in gate's dtype."""
+    _validate.tensor(gate, "gate", min_dim=1)
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(f"gate holds gate and up concatenated, so its last dim must be even, got {gate.shape[-1]}")
+        h = gate.shape[-1] // 2
+    else:
+        _validate.tensor(up, "up")
+        _validate.same_device(up, "up", gate, "gate")
+        if up.shape != gate.shape:
+            raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+        if up.dtype != gate.dtype:
+            raise TypeError(f"up has dtype {up.dtype} but gate has {gate.dtype}; use one dtype")
+        h = gate.shape[-1]
     out = empty((*gate.shape[:-1], h), dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
@@ -168,102 +163,69 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tens
     return out
 
 
-def glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int):
-    """Launch the backward, recomputing act(gate). Returns (dgate, dup); with the concatenated layout
-    dgate is the (..., 2H) gradient of both halves and dup is None."""
+# The custom ops' schemas: one launcher per public op, the activation fixed or named as in F.gelu.
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+    return glu_fwd(gate, up, SILU)
+
+
+def geglu_fwd(gate: torch.Tensor, up: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    return glu_fwd(gate, up, _ACTS[approximate])
+
+
+def glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int) -> list[torch.Tensor]:
+    """Launch the backward, recomputing act(gate). Returns [dgate, dup]; with the concatenated layout
+    [dgate], the (..., 2H) gradient of both halves."""
     h = gate.shape[-1] // 2 if up is None else gate.shape[-1]
     dgate = empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else None
+    grads = [dgate] if up is None else [dgate, empty(up.shape, dtype=up.dtype, device=up.device)]
     if dout.numel() == 0:
-        return dgate, dup
+        return grads
     g2, u2 = _rows(gate, up, h)
     do2 = _validate.rows_2d(dout, h)
     if up is None:
         d2 = dgate.view(-1, 2 * h)
         dg2, du2 = d2[:, :h], d2[:, h:]
     else:
-        dg2, du2 = dgate.view(-1, h), dup.view(-1, h)
+        dg2, du2 = dgate.view(-1, h), grads[1].view(-1, h)
     _launch(glu_bwd_kernel, (gate.dtype, dout.dtype), [do2, g2, u2, dg2, du2], g2.shape[0], h, act)
-    return dgate, dup
+    return grads
 
 
-# --- custom ops (torch.compile) and the eager autograd path ---
-
-@torch.library.custom_op("kernelkit::swiglu", mutates_args=())
-def _swiglu_op(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
-    return glu_fwd(gate, up, SILU)
-
-
-@torch.library.custom_op("kernelkit::geglu", mutates_args=())
-def _geglu_op(gate: torch.Tensor, up: torch.Tensor | None, approximate: str) -> torch.Tensor:
-    return glu_fwd(gate, up, _ACTS[approximate])
-
+# --- the ops, declared once: custom ops (torch.compile), fakes, autograd, the eager path ---
 
 def _fake(gate, up, *_):
     h = gate.shape[-1] if up is not None else gate.shape[-1] // 2
     return gate.new_empty((*gate.shape[:-1], h))
 
 
-@torch.library.custom_op("kernelkit::glu_bwd", mutates_args=())
-def _glu_bwd_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    dg, du = glu_bwd(dout, gate, up, act)
-    return dg, (du if du is not None else gate.new_empty(0))
-
-
-@_glu_bwd_op.register_fake
-def _(dout, gate, up, act):
-    return gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
+def _bwd_fake(dout, gate, up, act):
+    return [gate.new_empty(gate.shape)] + ([up.new_empty(up.shape)] if up is not None else [])
 
 
 def _setup_context(ctx, inputs, output):
     gate, up, *approximate = inputs
     ctx.save_for_backward(gate, up)  # the inputs only: the backward recomputes the activation
+    ctx.approximate = approximate  # [] for swiglu, [approximate] for geglu
     ctx.act = _ACTS[approximate[0]] if approximate else SILU
-    ctx.extra = len(approximate)
 
 
-def _backward(ctx, dout):
+def _backward(ctx, kernels, dout):
     gate, up = ctx.saved_tensors
-    dg, du = _glu_bwd_op(dout, gate, up, ctx.act)
-    return (dg, du if up is not None else None) + (None,) * ctx.extra
-
-
-for _op in (_swiglu_op, _geglu_op):
-    _op.register_fake(_fake)
-    _op.register_autograd(_backward, setup_context=_setup_context)
+    dgate, *dup = kernels.bwd(dout, gate, up, ctx.act)
+    return (dgate, dup[0] if dup else None) + (None,) * len(ctx.approximate)
 
 
 def _double_backward(ctx, dout):
     gate, up = ctx.saved_tensors
-    if ctx.act == SILU:
-        return reference_vjp(swiglu_reference, (gate, up), (dout,), 3)
-    return reference_vjp(geglu_reference, (gate, up, _NAMES[ctx.act]), (dout,))
+    if ctx.approximate:
+        return reference_vjp(geglu_reference, (gate, up, *ctx.approximate), (dout,))
+    return reference_vjp(swiglu_reference, (gate, up), (dout,))
 
 
-class _GLUFunction(torch.autograd.Function):
-    """The eager path: the same launchers as the custom ops with less per-call host overhead."""
-
-    @staticmethod
-    def forward(ctx, gate, up, act):
-        ctx.save_for_backward(gate, up)
-        ctx.act = act
-        return glu_fwd(gate, up, act)
-
-    @staticmethod
-    @differentiable_backward(_double_backward, "swiglu/geglu")
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dg, du = glu_bwd(dout, gate, up, ctx.act)
-        return dg, du, None
-
-
-def _swiglu_traced(gate, up, act):
-    return _swiglu_op(gate, up)
-
-
-def _geglu_traced(gate, up, act):
-    return _geglu_op(gate, up, _NAMES[act])
+_GLU = dict(fake=_fake, setup_context=_setup_context, backward=_backward, bwd=glu_bwd, bwd_fake=_bwd_fake,
+            double_backward=_double_backward, n_grad=2)
+SWIGLU = Op("swiglu", swiglu_fwd, **_GLU)
+GEGLU = Op("geglu", geglu_fwd, **_GLU)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -275,7 +237,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     reads gate, up and the output gradient and recomputes silu (nothing extra is saved); with the
     concatenated layout it returns one (..., 2H) gradient.
     """
-    return dispatch(_swiglu_traced, glu_fwd, _GLUFunction, 2, (gate, up, SILU))
+    return SWIGLU(gate, up)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
@@ -283,7 +245,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str =
     'none' (exact erf), as `F.gelu`; shapes, dtypes, layouts and backward as `swiglu`."""
     if approximate not in _GELU:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    return dispatch(_geglu_traced, glu_fwd, _GLUFunction, 2, (gate, up, _ACTS[approximate]))
+    return GEGLU(gate, up, approximate)
 
 
 def _halves(gate, up):

@@ -41,23 +41,19 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd import profiler as _autograd_profiler
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty
-from ..tune import cdiv, interpreting, launch, next_pow2, num_sms
+from ..runtime.alloc import empty
+from ..runtime import cdiv, interpreting, launch, next_pow2, num_sms
 from . import _validate
-from ._dispatch import profiled_call
-from .cross_entropy import (MAX_BLOCK_V, class_weight_buffer, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel,
-                            mean_divisor, weight_launch_args)
+from ._ce_common import TARGET_DTYPES, class_weight_buffer, mean_divisor, weight_launch_args
+from ._dispatch import Op
+from .cross_entropy import MAX_BLOCK_V, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from .cross_entropy import reference as cross_entropy_reference
 from .registry import OpSpec, optional_import, register
 
-REDUCTIONS = ("mean", "sum", "none")
-TARGET_DTYPES = (torch.int64, torch.int32)
 # A chunk's logits (rows x V in the activations' dtype) stay under this budget: the smallest that ran as
 # fast as any larger one in the H100 chunk sweep (module docstring); a smaller chunk trades time for memory.
 MAX_CHUNK_BYTES = 512 << 20
@@ -87,7 +83,7 @@ def grad_scale_kernel(X, GRAD, numel, BLOCK: tl.constexpr):
 
 # --- validation ---
 
-def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
+def _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
     """cross_entropy's checks of the shared options, then chunk_size; returns them normalized."""
     scalars = _validate.loss_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
@@ -96,7 +92,7 @@ def _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, ch
     return (*scalars, chunk_size)
 
 
-def _check_tensors(hidden, weight, target, bias, ce_weight=None):
+def _validate_tensors(hidden, weight, target, bias, ce_weight=None):
     _validate.tensor(hidden, "hidden", min_dim=1)
     _validate.tensor(weight, "weight")
     if weight.dim() != 2:
@@ -136,16 +132,6 @@ def _check_tensors(hidden, weight, target, bias, ce_weight=None):
             raise ValueError(f"ce_weight must have shape ({v},), one weight per class of weight (V, H) = "
                              f"{tuple(weight.shape)}, got {tuple(ce_weight.shape)}")
         _validate.same_device(ce_weight, "ce_weight", hidden, "hidden")
-
-
-def _check_target_values(target, v, ignore_index):
-    """Class indices in [0, V) or ignore_index, checked where it is free (CPU tensors): on the GPU it
-    would cost a device sync, so there an out-of-range index gives NaN (its row's loss, and the gradients)."""
-    if target.device.type == "cpu" and target.numel():
-        bad = (target != ignore_index) & ((target < 0) | (target >= v))
-        if bool(bad.any()):
-            raise ValueError(f"target holds class index {int(target[bad][0])} outside [0, {v}) "
-                             f"(and not ignore_index={ignore_index})")
 
 
 # --- launchers ---
@@ -306,20 +292,22 @@ def _chunk_logits(hidden, weight, bias, rows):
         yield s, e, h_c, logits
 
 
-def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ce_weight=None, ignore_index=-100,
-                             label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean", chunk_size=None,
-                             need_dhidden=False, need_dweight=False, need_dbias=False):
+def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor], ignore_index: int,
+                             label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
+                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked forward on hidden (T, H), weight (V, H), target (T,), class weights ce_weight (V,) or None.
     Returns (loss, lse, dhidden, dweight, dbias): loss fp32 (0-dim, or (T,) for 'none'), lse (T,) fp32, and the
     gradients asked for (scaled for the reduction, for grad_output = 1; (0,) placeholders otherwise). 'none'
     computes none."""
-    ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size = _check_scalars(
+    ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size = _validate_scalars(
         ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
-    _check_tensors(hidden, weight, target, bias, ce_weight)
+    _validate_tensors(hidden, weight, target, bias, ce_weight)
     if hidden.dim() != 2:
         raise ValueError(f"linear_cross_entropy_fwd takes 2-D hidden (T, H), got {tuple(hidden.shape)}")
     (t, _), v = hidden.shape, weight.shape[0]
-    _check_target_values(target, v, ignore_index)
+    _validate.target_values(target, v, ignore_index)
     need = (need_dhidden, need_dweight, need_dbias and bias is not None)
     grad = reduction != "none" and any(need)
     rows = chunk_rows(t, v, hidden.element_size(), chunk_size)
@@ -353,9 +341,11 @@ def linear_cross_entropy_fwd(hidden, weight, target, bias=None, ce_weight=None, 
     return loss, lse, dh, dw, db
 
 
-def linear_cross_entropy_bwd(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index=-100,
-                             label_smoothing=0.0, z_loss=0.0, softcap=None, chunk_size=None, need_dhidden=True,
-                             need_dweight=True, need_dbias=True):
+def linear_cross_entropy_bwd(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor], lse: torch.Tensor,
+                             ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recompute backward of reduction='none': grad (T,) per token; each chunk's logits are recomputed,
     the cross-entropy backward kernel writes grad x dloss/dlogits over them, and the same GEMMs as the
     fused forward follow. Returns (dhidden, dweight, dbias) with (0,) placeholders for those not asked for."""
@@ -384,23 +374,12 @@ def scale_(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# --- torch.library custom ops: one graph node each under torch.compile ---
+# --- the op, declared once: custom ops (torch.compile), fakes, autograd, the eager path ---
 
-@torch.library.custom_op("kernelkit::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                             bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor], ignore_index: int,
-                             label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
-                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_cross_entropy_fwd(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss,
-                                    softcap, reduction, chunk_size, need_dhidden, need_dweight, need_dbias)
-
-
-@_linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
-      need_dhidden, need_dweight, need_dbias):
-    _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
-    _check_tensors(hidden, weight, target, bias, ce_weight)
+def _fake(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
+          chunk_size, need_dhidden, need_dweight, need_dbias):
+    _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    _validate_tensors(hidden, weight, target, bias, ce_weight)
     t = hidden.shape[0]
     grad = reduction != "none"
     f32 = dict(dtype=torch.float32)
@@ -410,32 +389,19 @@ def _(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_
             hidden.new_empty(bias.shape if grad and need_dbias and bias is not None else (0,)))
 
 
-@torch.library.custom_op("kernelkit::linear_cross_entropy_bwd", mutates_args=())
-def _linear_cross_entropy_bwd_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                                 target: torch.Tensor, bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor],
-                                 lse: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
-                                 softcap: Optional[float], chunk_size: Optional[int], need_dhidden: bool,
-                                 need_dweight: bool, need_dbias: bool
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_cross_entropy_bwd(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index, label_smoothing,
-                                    z_loss, softcap, chunk_size, need_dhidden, need_dweight, need_dbias)
-
-
-@_linear_cross_entropy_bwd_op.register_fake
-def _(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
-      need_dhidden, need_dweight, need_dbias):
+def _bwd_fake(grad, hidden, weight, target, bias, ce_weight, lse, ignore_index, label_smoothing, z_loss, softcap,
+              chunk_size, need_dhidden, need_dweight, need_dbias):
     return (hidden.new_empty(hidden.shape if need_dhidden else (0,)),
             hidden.new_empty(weight.shape if need_dweight else (0,)),
             hidden.new_empty(bias.shape if need_dbias and bias is not None else (0,)))
 
 
-def _no_double_backward():
+def _no_double_backward(ctx, *grads):
     # create_graph=True runs the backward in grad mode; gradients from GEMMs on saved buffers carry no graph.
-    if torch.is_grad_enabled():
-        raise RuntimeError("kernelkit.linear_cross_entropy has no double backward: its gradients are computed "
-                           "during the forward (and by a Triton kernel) and cannot carry a graph for "
-                           "create_graph=True. Use the PyTorch reference (F.linear + F.cross_entropy) for "
-                           "higher-order gradients.")
+    raise RuntimeError("kernelkit.linear_cross_entropy has no double backward: its gradients are computed "
+                       "during the forward (and by a Triton kernel) and cannot carry a graph for "
+                       "create_graph=True. Use the PyTorch reference (F.linear + F.cross_entropy) for "
+                       "higher-order gradients.")
 
 
 def _setup_context(ctx, inputs, output):
@@ -443,63 +409,39 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.reduction = scalars[4]
     ctx.args = tuple(scalars[:4]) + (scalars[5],)  # ignore_index, label_smoothing, z_loss, softcap, chunk_size
-    ctx.need = tuple(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    ctx.need = (scalars[6], scalars[7], scalars[8] and bias is not None)  # need_dhidden, need_dweight, need_dbias
+    ctx.applied = None
     if ctx.reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, ce_weight, output[1])
-    else:
+    else:  # the gradients, computed by the forward for grad_output = 1
         ctx.save_for_backward(*output[2:])
 
 
-def _backward(ctx, dloss, *_):
-    _no_double_backward()
+def _backward(ctx, kernels, dloss):
+    if torch.is_grad_enabled():  # create_graph=True through the custom op (the eager path refuses before)
+        _no_double_backward(ctx)
     if ctx.reduction == "none":
         hidden, weight, target, bias, ce_weight, lse = ctx.saved_tensors
-        grads = _linear_cross_entropy_bwd_op(dloss, hidden, weight, target, bias, ce_weight, lse, *ctx.args,
-                                             *ctx.need)
-    else:  # a functional graph cannot scale the saved gradients in place: one multiply each
+        grads = kernels.bwd(dloss, hidden, weight, target, bias, ce_weight, lse, *ctx.args, *ctx.need)
+    elif kernels.bwd is not linear_cross_entropy_bwd:
+        # A compiled graph is functional: it cannot scale the saved gradients in place. One multiply each.
         grads = tuple(g * dloss for g in ctx.saved_tensors)
+    elif ctx.applied is None:
+        # First eager backward: scale the saved gradients in place and hand the buffers over.
+        ctx.applied = dloss.detach().to(torch.float32, copy=True)
+        grads = tuple(scale_(g, ctx.applied) for g in ctx.saved_tensors)
+    else:
+        # Again through a retained graph: the buffers (handed out before) hold grad x the first
+        # grad_output; divide it out into fresh tensors (NaN if the first grad_output was 0).
+        f = dloss.detach().float() / ctx.applied
+        grads = tuple((g.float() * f).to(g.dtype) for g in ctx.saved_tensors)
     dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
     return (dh, dw, None, db) + (None,) * 10
 
 
-_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    """The eager path: the backward scales the gradients the forward saved, in place."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap,
-                reduction, chunk_size):
-        need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-        scalars = (ignore_index, label_smoothing, z_loss, softcap)
-        loss, lse, *grads = linear_cross_entropy_fwd(hidden, weight, target, bias, ce_weight, *scalars, reduction,
-                                                     chunk_size, *need)
-        ctx.need, ctx.reduction, ctx.args, ctx.applied = need, reduction, scalars + (chunk_size,), None
-        if reduction == "none":
-            ctx.save_for_backward(hidden, weight, target, bias, ce_weight, lse)
-        else:
-            ctx.grads = grads
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        _no_double_backward()
-        if ctx.reduction == "none":
-            hidden, weight, target, bias, ce_weight, lse = ctx.saved_tensors
-            grads = linear_cross_entropy_bwd(dloss, hidden, weight, target, bias, ce_weight, lse, *ctx.args,
-                                             *ctx.need)
-        elif ctx.applied is None:
-            # First backward: scale the saved gradients in place and hand the buffers over.
-            ctx.applied = dloss.detach().to(torch.float32, copy=True)
-            grads = tuple(scale_(g, ctx.applied) for g in ctx.grads)
-        else:
-            # Again through a retained graph: the buffers (handed out before) hold grad x the first
-            # grad_output; divide it out into fresh tensors (NaN if the first grad_output was 0).
-            f = dloss.detach().float() / ctx.applied
-            grads = tuple((g.float() * f).to(g.dtype) for g in ctx.grads)
-        dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
-        return (dh, dw, None, db) + (None,) * 7
+LINEAR_CROSS_ENTROPY = Op("linear_cross_entropy", linear_cross_entropy_fwd, fake=_fake, setup_context=_setup_context,
+                          backward=_backward, bwd=linear_cross_entropy_bwd, bwd_fake=_bwd_fake,
+                          double_backward=_no_double_backward, n_grad=4, public=0)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -524,31 +466,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     cast to the autocast dtype first, as for F.linear. A class index outside [0, V) raises on CPU tensors
     and gives NaN on the GPU. No double backward (create_graph=True raises).
     """
-    scalars = _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    scalars = _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
     if isinstance(hidden, torch.Tensor) and not hidden.is_meta and torch.is_autocast_enabled(hidden.device.type):
         # The GEMMs run in the autocast dtype, as F.linear's would (fp32 master weights under bf16 autocast).
         dt = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight, bias = (x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                                 for x in (hidden, weight, bias))
-    _check_tensors(hidden, weight, target, bias, ce_weight)
+    _validate_tensors(hidden, weight, target, bias, ce_weight)
     if ce_weight is not None and ce_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("ce_weight requires grad, but class weights get no gradient (torch's F.cross_entropy has "
                          "no derivative for its weight either): pass ce_weight.detach(), or keep it in a buffer")
-    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    need = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in (hidden, weight, bias))
-    args = (h2, weight, t1, bias, ce_weight, *scalars)
-    if torch.compiler.is_compiling() or is_fake(hidden) or hidden.is_meta:
-        grad_now = torch.is_grad_enabled() and scalars[4] != "none"
-        loss = _linear_cross_entropy_op(*args, *(n and grad_now for n in need))[0]
-    elif not (torch.is_grad_enabled() and any(need)):
-        if _autograd_profiler._is_profiler_enabled:  # named range: the profiler attributes the kernels
-            loss = profiled_call(_linear_cross_entropy_op, linear_cross_entropy_fwd, args)[0]
-        else:
-            loss = linear_cross_entropy_fwd(*args)[0]
-    elif _autograd_profiler._is_profiler_enabled:
-        loss = profiled_call(_linear_cross_entropy_op, _LinearCrossEntropyFunction.apply, args, backward=True)
-    else:
-        loss = _LinearCrossEntropyFunction.apply(*args)
+    # The gradients to compute during the forward: those of inputs that require grad, while grad mode is on.
+    grad = torch.is_grad_enabled()
+    loss = LINEAR_CROSS_ENTROPY(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, ce_weight,
+                                *scalars, grad and hidden.requires_grad, grad and weight.requires_grad,
+                                grad and bias is not None and bias.requires_grad)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -563,7 +495,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                  z_loss: float = 0.0, softcap: Optional[float] = None, chunk_size: Optional[int] = None,
                  ce_weight: Optional[torch.Tensor] = None):
         super().__init__()
-        _check_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+        _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
         if ce_weight is not None and not (isinstance(ce_weight, torch.Tensor) and ce_weight.dim() == 1):
             raise TypeError(f"ce_weight must be None or a 1-D tensor of class weights (V,), got "
                             f"{type(ce_weight).__name__}{tuple(getattr(ce_weight, 'shape', ()))}")

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
-from ..testing.poison import empty_like
-from ..tune import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
+from ..runtime.alloc import empty_like
+from ..runtime import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
-from ._dispatch import differentiable_backward, dispatch
+from ._dispatch import Op
 from .registry import OpSpec, optional_import, register
 
 # Longest row held in registers by one program (32 fp32 per thread at 32 warps).
@@ -252,15 +252,15 @@ def _splits(m: int, n: int, device) -> tuple[int, int]:
     return cdiv(n, chunk), chunk
 
 
-def _check_scale(scale):
+def _validate_scale(scale):
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
 
 
-def softmax_fwd(x: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch.Tensor:
+def softmax_fwd(x: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
     """Launch the forward: y = (log_)softmax(scale * x) over the last dim, x's dtype and shape."""
     _validate.tensor(x, "x", min_dim=1)
-    _check_scale(scale)
+    _validate_scale(scale)
     n, scale = x.shape[-1], float(scale)
     y = empty_like(x)
     if x.numel() == 0:
@@ -288,7 +288,7 @@ def softmax_fwd(x: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch
     return y
 
 
-def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float = 1.0, log: bool = False) -> torch.Tensor:
+def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
     """Launch the backward from the forward's output y: dx = scale * y * (dy - sum(dy * y)) for
     softmax, dx = scale * (dy - exp(y) * sum(dy)) for log-softmax."""
     n, scale = y.shape[-1], float(scale)
@@ -317,27 +317,7 @@ def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float = 1.0, log: bool
     return dx
 
 
-# --- custom ops (torch.compile) and the eager autograd path ---
-
-@torch.library.custom_op("kernelkit::softmax", mutates_args=())
-def _softmax_op(x: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
-    return softmax_fwd(x, scale, log)
-
-
-@_softmax_op.register_fake
-def _(x, scale, log):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("kernelkit::softmax_bwd", mutates_args=())
-def _softmax_bwd_op(dy: torch.Tensor, y: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
-    return softmax_bwd(dy, y, scale, log)
-
-
-@_softmax_bwd_op.register_fake
-def _(dy, y, scale, log):
-    return y.new_empty(y.shape)
-
+# --- the op, declared once: custom ops (torch.compile), fakes, autograd, the eager path ---
 
 def _setup_context(ctx, inputs, output):
     _x, scale, log = inputs
@@ -345,12 +325,9 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.log = scale, log
 
 
-def _backward(ctx, dy):
+def _backward(ctx, kernels, dy):
     (y,) = ctx.saved_tensors
-    return _softmax_bwd_op(dy, y, ctx.scale, ctx.log), None, None
-
-
-_softmax_op.register_autograd(_backward, setup_context=_setup_context)
+    return kernels.bwd(dy, y, ctx.scale, ctx.log), None, None
 
 
 def _double_backward(ctx, dy):
@@ -364,21 +341,9 @@ def _double_backward(ctx, dy):
     return (ctx.scale * dx).to(y.dtype), None, None
 
 
-class _SoftmaxFunction(torch.autograd.Function):
-    """The eager path: the same launchers as the custom op with less per-call host overhead."""
-
-    @staticmethod
-    def forward(ctx, x, scale, log):
-        y = softmax_fwd(x, scale, log)
-        ctx.save_for_backward(y)
-        ctx.scale, ctx.log = scale, log
-        return y
-
-    @staticmethod
-    @differentiable_backward(_double_backward, "softmax")
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return softmax_bwd(dy, y, ctx.scale, ctx.log), None, None
+SOFTMAX = Op("softmax", softmax_fwd, fake=lambda x, scale, log: x.new_empty(x.shape), setup_context=_setup_context,
+             backward=_backward, bwd=softmax_bwd, bwd_fake=lambda dy, y, scale, log: y.new_empty(y.shape),
+             double_backward=_double_backward, n_grad=1)
 
 
 def _along(x, dim, scale, log):
@@ -388,16 +353,16 @@ def _along(x, dim, scale, log):
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int (the dim to normalize over), got {type(dim).__name__}; "
                         f"the scale is keyword-only: softmax(x, dim=-1, scale=...)")
-    _check_scale(scale)
+    _validate_scale(scale)
     nd = max(x.dim(), 1)
     if not -nd <= dim < nd:
         raise IndexError(f"dim {dim} is out of range for a {x.dim()}-D x (expected in [{-nd}, {nd - 1}])")
     if x.dim() == 0:  # torch: a 0-d input is one row of one element
-        return dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x.reshape(1), float(scale), log)).reshape(())
+        return SOFTMAX(x.reshape(1), float(scale), log).reshape(())
     if dim % nd == nd - 1:
-        return dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x, float(scale), log))
+        return SOFTMAX(x, float(scale), log)
     # The kernels normalize the last dim: move `dim` there (the launcher copies it to unit stride) and back.
-    y = dispatch(_softmax_op, softmax_fwd, _SoftmaxFunction, 1, (x.movedim(dim, -1), float(scale), log))
+    y = SOFTMAX(x.movedim(dim, -1), float(scale), log)
     return y.movedim(-1, dim)
 
 
