@@ -66,7 +66,7 @@ def test_rms_norm_strided_rows_weight_offset(wide, has_weight, device):
     gen = torch.Generator(device=device).manual_seed(1)
     x, dy = _strided(13, 301, device, torch.float32, gen), _strided(13, 301, device, torch.float32, gen)
     w = torch.randn(301, device=device, generator=gen) if has_weight else None
-    _, rstd, _ = mod.rms_norm_fwd(x, w, 1e-5, 1.0)
+    _, rstd = mod.rms_norm_fwd(x, w, 1e-5, 1.0)
     with poisoned_outputs():
         dx, dw = mod.rms_norm_bwd(dy, x, w, rstd, 1.0)
     grads = _fp64_grads(lambda x, w: mod.reference(x, w, 1e-5, 1.0), (x, w), dy, (0, 1) if has_weight else (0,))
@@ -92,7 +92,7 @@ def test_add_rms_norm_strided_dsummed(wide, device):
     gen = torch.Generator(device=device).manual_seed(2)
     s, dy, ds = (_strided(11, 299, device, torch.float32, gen) for _ in range(3))
     w = torch.randn(299, device=device, generator=gen)
-    _, rstd, _ = mod.rms_norm_fwd(s, w, 1e-6)
+    _, rstd = mod.rms_norm_fwd(s, w, 1e-6)
     with poisoned_outputs():
         dx, dw = mod.rms_norm_bwd(dy, s, w, rstd, 0.0, ds)
     gx, gw = _fp64_grads(mod.reference, (s, w), dy, (0, 1))
@@ -192,7 +192,7 @@ def test_short_rows_run_more_programs_per_sm_where_each_gets_its_rows(op, more_r
     w = torch.randn(64, device=device, generator=gen)
     launches = _launches(monkeypatch, module)
     if op == "rms_norm":
-        _, rstd, _ = mod.rms_norm_fwd(x, w, 1e-6)
+        _, rstd = mod.rms_norm_fwd(x, w, 1e-6)
         with poisoned_outputs():
             dx, dw = mod.rms_norm_bwd(dy, x, w, rstd)
         want = _fp64_grads(mod.reference, (x, w), dy, (0, 1))
@@ -217,15 +217,17 @@ def test_only_the_backward_with_dsummed_pipelines_its_row_loop(op, stages, devic
     assert got and all(st == stages for st in got), got
 
 
-@pytest.mark.parametrize("p,n,block_p", [(1000, 40, 256), (300, 300, 32), (7, 1, 256)])
-def test_column_sum_over_many_partial_rows(p, n, block_p, device, monkeypatch):
-    # Fewer column strips than SMs (the many-program partials of short rows): 256 partial rows a step.
+@pytest.mark.parametrize("p,n,sms,block_p", [(1000, 40, 132, 256), (300, 300, 4, 32), (300, 300, 132, 256),
+                                             (7, 1, 132, 256)])
+def test_column_sum_over_many_partial_rows(p, n, sms, block_p, device, monkeypatch):
+    # Fewer column strips than SMs (the many-program partials of short rows): 256 partial rows a step. The SM
+    # count is given, not the device's, so the choice is the same on every machine.
     gen = torch.Generator(device=device).manual_seed(p + n)
     partial = torch.randn(p, n, device=device, generator=gen)
     like = torch.empty(n, device=device)
     launches = _launches(monkeypatch, common)
     with poisoned_outputs():
-        got = common.column_sum(partial, like, num_sms(torch.device(device)))
+        got = common.column_sum(partial, like, sms)
     assert got.shape == (n,)
     torch.testing.assert_close(got.double(), partial.double().sum(0), rtol=1e-5, atol=1e-5)
     assert [kw["BLOCK_P"] for _, _, kw in launches] == [block_p]
