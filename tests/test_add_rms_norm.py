@@ -122,7 +122,7 @@ def test_custom_op_schema_fake_trace_and_compile(device):
             1e-6, 0.0)
     torch.library.opcheck(torch.ops.kernelkit.add_rms_norm.default, args, test_utils=("test_schema", "test_faketensor"))
     _, rstd, s = torch.ops.kernelkit.add_rms_norm(*args)
-    torch.library.opcheck(torch.ops.kernelkit.rms_norm_bwd_ds.default,
+    torch.library.opcheck(torch.ops.kernelkit.add_rms_norm_bwd.default,
                           (torch.randn(3, 40, device=device), s, args[2], rstd, 0.0, torch.randn(3, 40, device=device)),
                           test_utils=("test_schema", "test_faketensor"))
     gm = make_fx(lambda x, r, w: torch.ops.kernelkit.add_rms_norm(x, r, w, 1e-6, 0.0), tracing_mode="fake")(*args[:3])

@@ -102,17 +102,15 @@ def test_arguments_beyond_make_inputs(name, device):
 
 def test_layouts_catch_a_kernel_that_ignores_the_row_stride(device, monkeypatch):
     # The fuzz must fail on a broken kernel: feed the RMSNorm kernel a wrong row stride for x.
-    from kernelkit.ops import rms_norm as mod
+    # The launcher takes the rows of x as if contiguous, whatever their stride (patched where the launcher
+    # looks it up at each call: the op holds the launcher itself).
+    real = _validate.rows_2d
 
-    real = mod.rms_norm_fwd
+    def broken(x, n):
+        x2 = real(x, n)
+        return torch.as_strided(x2, x2.shape, (n, 1))
 
-    def broken(x, weight, eps, offset=0.0, residual=None):
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n) if x.dim() != 2 else x
-        y, rstd, s = real(torch.as_strided(x2, x2.shape, (n, 1)), weight, eps, offset, residual)
-        return y.view(x.shape), rstd.view(x.shape[:-1]), s
-
-    monkeypatch.setattr(mod, "rms_norm_fwd", broken)
+    monkeypatch.setattr(_validate, "rows_2d", broken)
     spec = registry.get("rms_norm")
     report, _ = check_layouts(spec, "float32", device, layouts=("row_padded",))
     assert not report.ok

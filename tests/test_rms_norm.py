@@ -111,13 +111,55 @@ def test_module_is_state_dict_compatible(device):
 
 
 def test_custom_op_is_registered_and_compiles_without_graph_breaks(device):
-    torch.library.opcheck(torch.ops.kernelkit.rms_norm.default,
-                          (torch.randn(3, 40, device=device), torch.randn(40, device=device), 1e-6, 0.0),
+    args = (torch.randn(3, 40, device=device), torch.randn(40, device=device), 1e-6, 0.0)
+    torch.library.opcheck(torch.ops.kernelkit.rms_norm.default, args, test_utils=("test_schema", "test_faketensor"))
+    _, rstd = torch.ops.kernelkit.rms_norm(*args)
+    torch.library.opcheck(torch.ops.kernelkit.rms_norm_bwd.default,
+                          (torch.randn(3, 40, device=device), args[0], args[1], rstd, 0.0, None),
                           test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(3, 40, device=device, requires_grad=True)
     w = torch.randn(40, device=device, requires_grad=True)
     y = compile_as_one_node(lambda x, w: kernelkit.rms_norm(x, w), (x, w), "rms_norm")
     torch.testing.assert_close(y, reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+BWD_OP = {"rms_norm": "kernelkit.rms_norm_bwd", "add_rms_norm": "kernelkit.add_rms_norm_bwd",
+          "layer_norm": "kernelkit.layer_norm_bwd"}
+
+
+@pytest.mark.parametrize("op", list(BWD_OP))
+def test_declared_ops_gradients_eager_and_compiled(op, device):
+    """Each norm is declared once (ops/_dispatch.Op): eager autograd runs its Function, torch.compile's backward
+    graph its backward op. Both give the float64 reference's gradients of every differentiable argument."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    spec = registry.get(op)
+    args, kwargs = spec.make_inputs((5, 37), torch.float32, device, torch.Generator(device=device).manual_seed(3))
+    ref = [a.double().requires_grad_() for a in args]
+    outs = spec.reference(*ref, **kwargs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gouts = [torch.randn(o.shape, dtype=torch.float64, device=device) for o in outs]
+    want = torch.autograd.grad(outs, ref, gouts)
+    backward_nodes = []
+
+    def bw_compiler(gm, _):
+        backward_nodes.extend(n for n in gm.graph.nodes if BWD_OP[op] in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: spec.fn(*a, **kwargs), fullgraph=True, backend=aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw_compiler))
+    for route in (lambda *a: spec.fn(*a, **kwargs), compiled):
+        inputs = [a.clone().requires_grad_() for a in args]
+        got = route(*inputs)
+        got = got if isinstance(got, tuple) else (got,)
+        if route is not compiled:
+            assert type(got[0].grad_fn).__name__.startswith(f"{op}_function"), type(got[0].grad_fn)
+        grads = torch.autograd.grad(got, inputs, [g.float() for g in gouts])
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+    assert len(backward_nodes) == 1, backward_nodes
 
 
 @settings(max_examples=8, deadline=None)

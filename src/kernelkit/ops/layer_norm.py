@@ -24,7 +24,7 @@ from ..runtime.alloc import empty, empty_like
 from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
 from .registry import OpSpec, optional_import, register
-from ._dispatch import differentiable_backward, dispatch, reference_vjp
+from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 
 # Longest row the forward holds in registers; longer rows take the looped kernels.
@@ -202,7 +202,7 @@ def layer_norm_bwd_strip_kernel(DY, X, W, MEAN, RSTD, C, DX, DW_PARTIAL, DB_PART
         tl.store(DB_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(db, axis=0), mask=col_ok)
 
 
-def _param(t, name, x):
+def _validate_param(t, name, x):
     if t is None:
         return None
     if isinstance(t, (tuple, list, torch.Size)):
@@ -218,11 +218,13 @@ def _validate_inputs(x, weight, bias, eps):
     """Checks the arguments; returns weight and bias as the kernels index them (unit stride)."""
     _validate.tensor(x, "x", min_dim=1)
     _validate.number(eps, "eps", low=0.0)
-    return _param(weight, "weight", x), _param(bias, "bias", x)
+    return _validate_param(weight, "weight", x), _validate_param(bias, "bias", x)
 
 
-def layer_norm_fwd(x, weight, bias, eps):
-    """Launch the forward. Returns (y, mean, rstd); mean and rstd are fp32 of shape x.shape[:-1]."""
+def layer_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward. Returns (y, mean, rstd); mean and rstd are fp32 of shape x.shape[:-1]. Its signature is
+    the schema of kernelkit::layer_norm."""
     weight, bias = _validate_inputs(x, weight, bias, eps)
     n = x.shape[-1]
     y = empty_like(x)
@@ -260,8 +262,10 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, 
     return dw_part, db_part
 
 
-def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
-    """Launch the backward. Returns (dx, dw, db); dw/db are empty when there is no weight/bias."""
+def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward. Returns (dx, dw, db); dw/db are empty when there is no weight/bias. Its signature is
+    the schema of kernelkit::layer_norm_bwd."""
     n = x.shape[-1]
     dx = empty_like(x)
     has_w, has_b = weight is not None, bias is not None
@@ -293,45 +297,29 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd):
     return dx, dw, db
 
 
-# --- custom ops (torch.compile) and the eager autograd path ---
+# --- the op, declared once: one graph node under torch.compile, autograd through the backward kernel ---
 
-@torch.library.custom_op("kernelkit::layer_norm", mutates_args=())
-def _layer_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, weight, bias, eps)
-
-
-@_layer_norm_op.register_fake
-def _(x, weight, bias, eps):
+def _fake(x, weight, bias, eps):
     stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return x.new_empty(x.shape), stat, stat.new_empty(stat.shape)
 
 
-@torch.library.custom_op("kernelkit::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                       mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_bwd(dy, x, weight, bias, mean, rstd)
-
-
-@_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, bias, mean, rstd):
+def _bwd_fake(dy, x, weight, bias, mean, rstd):
     none = x.new_empty(0)
     return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else none,
             bias.new_empty(bias.shape) if bias is not None else none)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _eps = inputs
+    x, weight, bias, eps = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps = eps
 
 
-def _backward(ctx, dy, _dmean, _drstd):
+def _backward(ctx, kernels, dy):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _layer_norm_bwd_op(dy, x, weight, bias, mean, rstd)
+    dx, dw, db = kernels.bwd(dy, x, weight, bias, mean, rstd)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None
-
-
-_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _double_backward(ctx, dy):
@@ -339,20 +327,8 @@ def _double_backward(ctx, dy):
     return reference_vjp(reference, (x, weight, bias, ctx.eps), (dy,))
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.eps = eps
-        return y
-
-    @staticmethod
-    @differentiable_backward(lambda ctx, dy: _double_backward(ctx, dy), "layer_norm")
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
-        return dx, (dw if weight is not None else None), (db if bias is not None else None), None
+LAYER_NORM = Op("layer_norm", layer_norm_fwd, fake=_fake, setup_context=_setup_context, backward=_backward,
+                bwd=layer_norm_bwd, bwd_fake=_bwd_fake, double_backward=_double_backward, n_grad=3, public=0)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -367,13 +343,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     """
     for name, t in (("weight", weight), ("bias", bias)):
         if isinstance(t, (tuple, list, torch.Size)):
-            _param(t, name, x)
-    args = (x, weight, bias, _validate.number(eps, "eps", low=0.0))
-    return dispatch(_layer_norm_op, layer_norm_fwd, _LayerNormFunction, 3, args, _first)
-
-
-def _first(out):
-    return out[0]
+            _validate_param(t, name, x)
+    return LAYER_NORM(x, weight, bias, _validate.number(eps, "eps", low=0.0))
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -23,7 +23,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty, empty_like
 from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _validate
-from ._dispatch import differentiable_backward, dispatch, reference_vjp
+from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 from .registry import OpSpec, optional_import, register
 
@@ -201,22 +201,16 @@ def rms_norm_bwd_strip_kernel(DY, X, W, RSTD, C, DS, DX, DW_PARTIAL, stride_dy, 
         tl.store(DW_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-def _validate_inputs(x, weight, eps):
-    """Checks x, weight and eps; returns weight as the kernels index it (unit stride, copied if not)."""
+def _forward(x, weight, eps, offset, residual):
+    """Validate the arguments and launch the forward. Returns (y, rstd, summed): rstd of shape x.shape[:-1] in
+    fp32, and summed = x + residual (None without a residual), normalized in the same pass. The checks are inline,
+    not a helper's: below the two launchers, the eager path makes as many Python calls as before they split."""
     _validate.tensor(x, "x", min_dim=1)
     _validate.number(eps, "eps", low=0.0)
-    if weight is None:
-        return None
-    _validate.tensor(weight, "weight")
-    _validate.same_device(weight, "weight", x, "x")
-    return _validate.vector(weight, "weight", x.shape[-1])
-
-
-def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0,
-                 residual: Optional[torch.Tensor] = None):
-    """Launch the forward. Returns (y, rstd, summed): rstd of shape x.shape[:-1] in fp32, and
-    summed = x + residual (None without a residual), normalized in the same pass."""
-    weight = _validate_inputs(x, weight, eps)
+    if weight is not None:  # as the kernels index it: unit stride, copied if not
+        _validate.tensor(weight, "weight")
+        _validate.same_device(weight, "weight", x, "x")
+        weight = _validate.vector(weight, "weight", x.shape[-1])
     has_r = residual is not None
     if has_r:
         _validate.tensor(residual, "residual")
@@ -245,6 +239,21 @@ def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, of
     return y, rstd, summed
 
 
+def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's launcher, (y, rstd); its signature is the schema of kernelkit::rms_norm."""
+    y, rstd, _ = _forward(x, weight, eps, offset, None)
+    return y, rstd
+
+
+def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                     offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused add's launcher, (normed, rstd, summed); its signature is the schema of kernelkit::add_rms_norm."""
+    if residual is None:
+        raise TypeError("add_rms_norm needs a residual tensor (got None); without one, call kernelkit.rms_norm")
+    return _forward(x, weight, eps, offset, residual)
+
+
 def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds):
     """Launch the wide-row backward `cfg` describes; returns its (row groups, n) dw partial."""
     c = empty((m,), dtype=torch.float32, device=x2.device)
@@ -259,8 +268,9 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, 
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
-                 offset: float = 0.0, dsummed: Optional[torch.Tensor] = None):
-    """Launch the backward. Returns (dx, dw); dw is empty when there is no weight.
+                 offset: float = 0.0, dsummed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. Returns (dx, dw); dw is empty when there is no weight. Its signature is the schema of
+    kernelkit::rms_norm_bwd and kernelkit::add_rms_norm_bwd.
 
     With `dsummed` (the gradient of x + residual from the residual stream), dx includes it: then
     dx is the gradient of both x and the residual of the fused add."""
@@ -295,43 +305,26 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
     return dx, dw
 
 
-# --- torch.library custom op: one graph node under torch.compile, autograd through our backward ---
+# --- the ops, declared once: one graph node each under torch.compile, autograd through the backward kernel ---
 
-@torch.library.custom_op("kernelkit::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, weight, eps, offset)[:2]
-
-
-@_rms_norm_op.register_fake
-def _(x, weight, eps, offset):
+def _fake(x, weight, eps, offset=0.0):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("kernelkit::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
-                     offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_bwd(dy, x, weight, rstd, offset)
-
-
-@_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, offset):
+def _bwd_fake(dy, x, weight, rstd, offset=0.0, dsummed=None):
     return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _eps, offset = inputs
+    x, weight, eps, offset = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.offset = offset
+    ctx.eps, ctx.offset = eps, offset
 
 
-def _backward(ctx, dy, _drstd):
+def _backward(ctx, kernels, dy):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, ctx.offset)
+    dx, dw = kernels.bwd(dy, x, weight, rstd, ctx.offset, None)
     return dx, (dw if weight is not None else None), None, None
-
-
-_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _double_backward(ctx, dy):
@@ -339,27 +332,8 @@ def _double_backward(ctx, dy):
     return reference_vjp(reference, (x, weight, ctx.eps, ctx.offset), (dy,))
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """The eager path: the same launchers as the custom op with ~half its per-call Python overhead,
-    which is what a 30 us kernel is judged by. torch.compile traces the custom op instead."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset):
-        y, rstd, _ = rms_norm_fwd(x, weight, eps, offset)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset, ctx.eps = offset, eps
-        return y
-
-    @staticmethod
-    @differentiable_backward(lambda ctx, dy: _double_backward(ctx, dy), "rms_norm")
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.offset)
-        return dx, (dw if weight is not None else None), None, None
-
-
-def _first(out):
-    return out[0]
+RMS_NORM = Op("rms_norm", rms_norm_fwd, fake=_fake, setup_context=_setup_context, backward=_backward,
+              bwd=rms_norm_bwd, bwd_fake=_bwd_fake, double_backward=_double_backward, n_grad=2, public=0)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
@@ -370,48 +344,26 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     gives Gemma's ``(1 + w)``. Statistics and the product are computed in fp32 and rounded once to
     x's dtype. Differentiable in x and weight (dweight through a two-stage reduction).
     """
-    args = (x, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
-    return dispatch(_rms_norm_op, rms_norm_fwd, _RMSNormFunction, 2, args, _first)
+    return RMS_NORM(x, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
 
 
 # --- fused residual add + RMSNorm (pre-norm blocks) ---
 
-@torch.library.custom_op("kernelkit::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-                     offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, weight, eps, offset, residual)
-
-
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset):
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), x.new_empty(x.shape)
+def _add_fake(x, residual, weight, eps, offset=0.0):
+    return (*_fake(x, weight, eps, offset), x.new_empty(x.shape))
 
 
 def _add_setup_context(ctx, inputs, output):
-    _x, _r, weight, _eps, offset = inputs
-    _y, rstd, summed = output
-    ctx.save_for_backward(summed, weight, rstd)
-    ctx.offset = offset
+    _x, _residual, weight, eps, offset = inputs
+    ctx.save_for_backward(output[2], weight, output[1])
+    ctx.eps, ctx.offset = eps, offset
 
 
-def _add_backward(ctx, dy, _drstd, dsummed):
+def _add_backward(ctx, kernels, dy, dsummed):
+    """One gradient for x and residual: the norm's through summed, plus the residual stream's."""
     summed, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_ds_op(dy, summed, weight, rstd, ctx.offset, dsummed)
+    dx, dw = kernels.bwd(dy, summed, weight, rstd, ctx.offset, dsummed)
     return dx, dx, (dw if weight is not None else None), None, None
-
-
-@torch.library.custom_op("kernelkit::rms_norm_bwd_ds", mutates_args=())
-def _rms_norm_bwd_ds_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
-                        offset: float, dsummed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_bwd(dy, x, weight, rstd, offset, dsummed)
-
-
-@_rms_norm_bwd_ds_op.register_fake
-def _(dy, x, weight, rstd, offset, dsummed):
-    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
-
-
-_add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
 
 
 def _add_double_backward(ctx, dy, dsummed):
@@ -422,28 +374,9 @@ def _add_double_backward(ctx, dy, dsummed):
     return dx, dx, dw, None, None
 
 
-class _AddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset):
-        y, rstd, summed = rms_norm_fwd(x, weight, eps, offset, residual)
-        ctx.save_for_backward(summed, weight, rstd)
-        ctx.offset, ctx.eps = offset, eps
-        return y, summed
-
-    @staticmethod
-    @differentiable_backward(lambda ctx, dy, ds: _add_double_backward(ctx, dy, ds), "add_rms_norm")
-    def backward(ctx, dy, dsummed):
-        summed, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, summed, weight, rstd, ctx.offset, dsummed)
-        return dx, dx, (dw if weight is not None else None), None, None
-
-
-def _add_fwd(x, residual, weight, eps, offset):
-    return rms_norm_fwd(x, weight, eps, offset, residual)
-
-
-def _normed_summed(out):
-    return out[0], out[2]
+ADD_RMS_NORM = Op("add_rms_norm", add_rms_norm_fwd, fake=_add_fake, setup_context=_add_setup_context,
+                  backward=_add_backward, bwd=rms_norm_bwd, bwd_fake=_bwd_fake, double_backward=_add_double_backward,
+                  n_grad=3, public=(0, 2))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -455,8 +388,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch
     both outputs (the norm's and the residual stream's) and returns the same gradient for x and
     residual, plus dweight.
     """
-    args = (x, residual, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
-    return dispatch(_add_rms_norm_op, _add_fwd, _AddRMSNormFunction, 3, args, _normed_summed)
+    return ADD_RMS_NORM(x, residual, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
 
 
 def add_reference(x, residual, weight=None, eps=1e-6, offset=0.0):
