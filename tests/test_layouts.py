@@ -122,14 +122,14 @@ def test_layouts_catch_a_launcher_that_reads_an_index_tensor_as_contiguous(devic
     # position outside the table, which the kernel turns into NaN.
     from kernelkit.ops import rope as mod
 
-    real = mod.rope_fwd
+    real = mod.ROPE.forward
 
     def broken(q, k, cos=None, sin=None, position_ids=None, *args, **kwargs):
         if position_ids is not None:
             position_ids = torch.as_strided(position_ids, position_ids.shape, (position_ids.shape[1], 1))
         return real(q, k, cos, sin, position_ids, *args, **kwargs)
 
-    monkeypatch.setattr(mod, "rope_fwd", broken)
+    monkeypatch.setattr(mod.ROPE, "forward", broken)  # the declared op's launcher, on every route
     spec = registry.get("rope")
     report, _ = check_layouts(spec, "float32", device, shape=layout_shapes(spec)[-1], layouts=("stepped",))
     assert report.failures and all(f.startswith("position_ids stepped") for f in report.failures), report.failures
