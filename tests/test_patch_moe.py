@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-import kernelkit.ops.moe as moe_op  # noqa: E402
+from kernelkit.patch import modules as patch_modules  # noqa: E402
 from kernelkit.patch import patch, unpatch  # noqa: E402
 from kernelkit.patch.modules import CPU_REASON  # noqa: E402
 
@@ -40,13 +40,13 @@ def _tokens(device):
 def kernel_calls(monkeypatch):
     """How many times the patched experts reached kernelkit's moe_experts."""
     calls = []
-    real = moe_op.moe_experts
+    real = patch_modules.moe_experts
 
     def counted(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(moe_op, "moe_experts", counted)
+    monkeypatch.setattr(patch_modules, "moe_experts", counted)  # the name the patched forward calls
     return calls
 
 
