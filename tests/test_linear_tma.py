@@ -92,7 +92,7 @@ def test_tma_and_pointer_kernels_agree(device, monkeypatch):
     x, w, b = _inputs(65, 128, 96, torch.bfloat16, device, seed=4)
     r = torch.randn(65, 96, device=device).to(torch.bfloat16)
     tma = L.linear_fwd(x, w, b, r, "silu", 1.25)
-    monkeypatch.setattr(L, "TMA", False)
+    monkeypatch.setattr(L, "GEMM_TMA", False)
     ptr = L.linear_fwd(x, w, b, r, "silu", 1.25)
     torch.testing.assert_close(tma.float(), ptr.float(), rtol=1e-2, atol=1e-2)
 

@@ -47,7 +47,7 @@ def test_gate_up_and_down_through_tma(dtype, device, tma_calls):
 def test_tma_and_pointer_paths_agree(device, monkeypatch):
     args = _inputs((50, 64, 32, 4, 2), torch.bfloat16, device, seed=2)
     tma = M.moe(*args)
-    monkeypatch.setattr(G, "B_TMA", False)
+    monkeypatch.setattr(G, "GEMM_TMA", False)
     ptr = M.moe(*args)
     torch.testing.assert_close(tma.float(), ptr.float(), rtol=1e-2, atol=1e-2)
 

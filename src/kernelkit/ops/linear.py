@@ -15,7 +15,6 @@ activation's derivative to dy in PyTorch; the pre-activation z is recomputed wit
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -28,7 +27,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms, tma_device
 from . import _validate
-from .gemm.tiles import INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
+from .gemm.tiles import GEMM_TMA, INTERPRETER_DOT, gate_up_step, grouped_tile, input_precision, tile_configs
 from ._dispatch import differentiable_backward, dispatch, reference_vjp
 from .registry import OpSpec, register
 
@@ -313,13 +312,13 @@ def _check(x, weight, bias, residual, activation, scale, out_dtype):
 
 
 # The TMA path: 16-bit inputs on a Hopper-or-newer GPU (or the interpreter), unit inner strides, 16-byte aligned
-# bases and row strides (what a tensor descriptor takes). KERNELKIT_GEMM_TMA=0 turns it off (the pointer kernel).
-TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
+# bases and row strides (what a tensor descriptor takes). KERNELKIT_GEMM_TMA=0 turns it off (the pointer kernel;
+# gemm/tiles.py reads it).
 
 
 def _tma_layout(x2, weight, out2, n, activation):
     """(B_KMAJOR, the weight's non-unit stride) when linear_tma_kernel can take these operands, else None."""
-    if not TMA or x2.dtype not in (torch.bfloat16, torch.float16) or not tma_device(x2):
+    if not GEMM_TMA or x2.dtype not in (torch.bfloat16, torch.float16) or not tma_device(x2):
         return None
     esize = x2.element_size()
 

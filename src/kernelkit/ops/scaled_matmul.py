@@ -33,7 +33,6 @@ interpreter) through masked pointer loads.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -41,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import switches
 from ..roofline.model import Cost
 from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, ensure_tma_allocator, interpreting, launch, next_pow2, num_sms
@@ -63,7 +63,7 @@ K_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 USE_TMA: Optional[bool] = None
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and outer strides
 # The Gluon kernel for precise mode (gemm/precise.py); KERNELKIT_FP8_GLUON=0 keeps every call on Triton.
-GLUON_PRECISE = os.environ.get("KERNELKIT_FP8_GLUON", "1") != "0"
+GLUON_PRECISE = switches.on("KERNELKIT_FP8_GLUON")
 
 
 def _configs() -> list:

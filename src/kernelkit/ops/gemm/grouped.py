@@ -5,15 +5,17 @@ ops/moe/ composes them into the layer (see its docstring for the data flow).
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import switches
 from ...runtime import autotune, cdiv, ensure_tma_allocator, launch, next_pow2, num_sms, tma_device
 from .fp8 import HW_FP8_CAST, mx_dequant, quantize_segments_t
-from .tiles import INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
+from .tiles import GEMM_TMA, INTERPRETER_DOT, gate_up_step, grouped_tile, tile_configs
 from .mx import e8m0_to_fp32, mx_encode
 
 
@@ -160,8 +162,54 @@ def _mx_dot(a, sa, bt, sb, acc, BN: tl.constexpr, BK: tl.constexpr, MX_MODE: tl.
     return acc
 
 
-@autotune(_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "GATHER_A", "SCATTER_C", "B_TMA", "SCALES",
-                                "Q_OUT", "MX_MODE"],
+_UNTUNED = {"tune": False}  # a mode the autotuner does not key on (the same tile serves both values)
+SIZES = ["ROWS_BUCKET", "N", "K", "E"]  # what the autotuner keys on besides the modes
+
+
+@dataclass(frozen=True)
+class _GroupedModes:
+    """The constexpr modes both grouped kernels take, named as the kernels name them. A launch passes
+    `constexprs` as its keywords and `key` in its launch key, and the kernel's autotune key is `tuned_fields()`:
+    all three read off one record, so they cannot disagree (tests/test_moe_modes.py checks the fields against
+    the kernels' signatures)."""
+    EPILOGUE: str = "none"  # "none", "swiglu", "swiglu_bwd" (see moe_grouped_gemm_kernel)
+    GATHER_A: bool = False  # A's rows read through A_IDX
+    SCATTER_C: bool = False  # C's rows written through C_IDX
+    HAS_SCALE: bool = field(default=False, metadata=_UNTUNED)  # the routing weight per row
+    STORE_Z: bool = field(default=False, metadata=_UNTUNED)  # swiglu: keep the gate/up pre-activations
+    STORE_H: bool = field(default=False, metadata=_UNTUNED)  # swiglu_bwd: store h recomputed
+    INPUT_PRECISION: Optional[str] = field(default=None, metadata=_UNTUNED)  # tl.dot's (None with SCALES)
+    SCALES: str = ""  # "", "rowwise" (fp8) or "mx" (MXFP8)
+    Q_OUT: bool = False  # swiglu: h written as MXFP8
+
+    @classmethod
+    def tuned_fields(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.metadata.get("tune", True)]
+
+    @property
+    def key(self) -> tuple:
+        return tuple(self.__dict__.values())
+
+    @property
+    def constexprs(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class GroupedMode(_GroupedModes):
+    """moe_grouped_gemm_kernel's modes (the pointer kernel)."""
+    B_TMA: bool = False  # the weights through a tensor descriptor (tma_weight)
+    MX_MODE: str = ""  # MXFP8 operands' K-loop mode ("" without them; see MX_MODES)
+
+
+@dataclass(frozen=True)
+class GroupedTmaMode(_GroupedModes):
+    """moe_grouped_tma_kernel's modes (the persistent Hopper kernel)."""
+    B_KMAJOR: bool = False  # the weights' (E, K, N') view K-contiguous (nn.Linear's layout)
+    NUM_SMS: int = 1  # programs: one per SM
+
+
+@autotune(_gemm_configs(), key=SIZES + GroupedMode.tuned_fields(),
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r read at A_IDX[r] with GATHER_A
@@ -299,8 +347,7 @@ def _tma_gemm_configs() -> list:
                          (64, 64, 64, 4, 4), (128, 128, 128, 3, 8), (128, 256, 128, 3, 8)))
 
 
-@autotune(_tma_gemm_configs(), key=["ROWS_BUCKET", "N", "K", "E", "EPILOGUE", "SCATTER_C", "B_KMAJOR", "SCALES",
-                                    "Q_OUT", "NUM_SMS", "GATHER_A"],
+@autotune(_tma_gemm_configs(), key=SIZES + GroupedTmaMode.tuned_fields(),
           prune_configs_by={"early_config_prune": _prune_gemm}, reset_to_zero=["AUX"])
 @triton.jit
 def moe_grouped_tma_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row r at A_IDX[r] with GATHER_A
@@ -495,6 +542,7 @@ def grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z
     (swiglu_bwd): h = silu(gate) * up recomputed from z, stored for the down weight's gradient."""
     scales = "" if a_scale is None else "mx" if mx else "rowwise"
     q_out = c_scales is not None
+    store_z = z is not None and epilogue == "swiglu"
     rows, e, k = c.shape[0] if c_idx is None else c_idx.shape[0], weight.shape[0], weight.shape[1]
     zz = z if z is not None else c
     hh = h_out if h_out is not None else c
@@ -517,20 +565,17 @@ def grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z
         bs_e = b_scale.stride(0) if scales else 0
         grid = lambda meta: (min(sms, (cdiv(rows, meta["BLOCK_M"]) + e)  # noqa: E731
                                  * cdiv(n, max(meta["BLOCK_N"], 32 if q_out else 1))),)
-        launch(moe_grouped_tma_kernel, grid,
-               ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, epilogue, c_idx is not None, scale is not None,
-                z is not None and epilogue == "swiglu", h_out is not None, precision, b_kmajor, scales, q_out, sms,
-                gather),
+        mode = GroupedTmaMode(EPILOGUE=epilogue, GATHER_A=gather, SCATTER_C=c_idx is not None,
+                              HAS_SCALE=scale is not None, STORE_Z=store_z, STORE_H=h_out is not None,
+                              INPUT_PRECISION=None if scales else precision,
+                              SCALES=scales, Q_OUT=q_out, B_KMAJOR=b_kmajor, NUM_SMS=sms)
+        launch(moe_grouped_tma_kernel, grid, ("gemm_tma", bucket, n, k, e, a.dtype, c.dtype, *mode.key),
                a, a_idx if gather else offs, a.stride(0), a.stride(1), weight, weight.stride(0), weight.stride(1),
                weight.stride(2),
                c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
                zz, zz.stride(0), zz.stride(-1), hh, hh.stride(0), scale if scale is not None else c, aux, aux.stride(0),
                a_scale if scales else aux, b_scale if scales else aux, bs_e,
-               offs, rows, n, k, e, bucket, NUM_SMS=sms, B_KMAJOR=b_kmajor,
-               EPILOGUE=epilogue, GATHER_A=gather, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-               STORE_Z=z is not None and epilogue == "swiglu", STORE_H=h_out is not None,
-               INPUT_PRECISION=None if scales else precision,
-               SCALES=scales, Q_OUT=q_out, E_P2=max(16, next_pow2(e)))
+               offs, rows, n, k, e, bucket, **mode.constexprs, E_P2=max(16, next_pow2(e)))
         return
     b_tma = tma_weight(weight)
     if b_tma and weight.is_cuda:
@@ -545,10 +590,11 @@ def grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z
         MX_MODE == "dot_scaled" and weight.is_cuda) else "dequant"
     min_bn = 32 if q_out else 1
     grid = lambda meta: ((cdiv(rows, meta["BLOCK_M"]) + e) * cdiv(n, max(meta["BLOCK_N"], min_bn)),)  # noqa: E731
-    launch(moe_grouped_gemm_kernel, grid,
-           ("gemm", bucket, n, k, e, a.dtype, c.dtype, epilogue, a_idx is not None, c_idx is not None,
-            scale is not None, z is not None and epilogue == "swiglu", h_out is not None, precision, b_tma, scales,
-            q_out, mx_mode),
+    mode = GroupedMode(EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None,
+                       HAS_SCALE=scale is not None, STORE_Z=store_z, STORE_H=h_out is not None,
+                       INPUT_PRECISION=None if scales else precision, SCALES=scales, Q_OUT=q_out, B_TMA=b_tma,
+                       MX_MODE=mx_mode)
+    launch(moe_grouped_gemm_kernel, grid, ("gemm", bucket, n, k, e, a.dtype, c.dtype, *mode.key),
            a, a_idx if a_idx is not None else offs, a.stride(0), a.stride(1),
            weight, weight.stride(0), weight.stride(1), weight.stride(2),
            c, c_idx if c_idx is not None else offs, c.stride(0), c.stride(1),
@@ -556,25 +602,19 @@ def grouped_gemm(a, weight, c, offs, n, *, a_idx=None, c_idx=None, scale=None, z
            scale if scale is not None else c,
            aux, aux.stride(0),
            a_scale if scales else aux, a_scale.stride(0) if scales else 0, b_scale if scales else aux, bs_e, bs_n,
-           offs, rows, n, k, e, bucket,
-           EPILOGUE=epilogue, GATHER_A=a_idx is not None, SCATTER_C=c_idx is not None, HAS_SCALE=scale is not None,
-           STORE_Z=z is not None and epilogue == "swiglu", STORE_H=h_out is not None,
-           INPUT_PRECISION=None if scales else precision, B_TMA=b_tma,
-           SCALES=scales, Q_OUT=q_out, MX_MODE=mx_mode, E_P2=max(16, next_pow2(e)))
+           offs, rows, n, k, e, bucket, **mode.constexprs, E_P2=max(16, next_pow2(e)))
 
 
 # How the MXFP8 path multiplies: "upcast" (operands dequantized to bf16 by their own passes, then bf16 GEMMs; see
 # moe_experts_fwd) or inside the grouped GEMM's K loop, "dequant", "dot_scaled" or "promote" (see the kernel);
 # KERNELKIT_MX_MODE overrides the default.
-MX_MODES = ("upcast", "dequant", "dot_scaled", "promote")
-MX_MODE = os.environ.get("KERNELKIT_MX_MODE", "upcast")
-if MX_MODE not in MX_MODES:
-    raise ValueError(f"KERNELKIT_MX_MODE must be one of {', '.join(MX_MODES)}, got {MX_MODE!r}")
+MX_MODES = switches.SWITCHES["KERNELKIT_MX_MODE"].choices
+MX_MODE = switches.value("KERNELKIT_MX_MODE")
 
 
 # The TMA path for the experts' weights: 16-bit, K-contiguous (nn.Linear's (out, in) per expert), 16-byte aligned
-# base and outer strides, on a Hopper-or-newer GPU or in the interpreter. KERNELKIT_GEMM_TMA=0 turns it off.
-B_TMA = os.environ.get("KERNELKIT_GEMM_TMA", "1") != "0"
+# base and outer strides, on a Hopper-or-newer GPU or in the interpreter. KERNELKIT_GEMM_TMA=0 turns it off
+# (tiles.GEMM_TMA).
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
@@ -584,7 +624,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 def tma_weight(weight: torch.Tensor) -> bool:
     """Whether the (E, K, N') weight view can be read through a (E, N', K) tensor descriptor."""
-    if not B_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
+    if not GEMM_TMA or weight.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or weight.stride(1) != 1:
         return False
     if not tma_device(weight):
         return False
@@ -595,14 +635,12 @@ def tma_weight(weight: torch.Tensor) -> bool:
 
 # The persistent TMA kernel for bf16 / fp16 / rowwise-fp8 grouped GEMMs on Hopper (x's rows gathered by a copy
 # first); KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather fused into its loads.
-PERSISTENT = os.environ.get("KERNELKIT_MOE_PERSISTENT", "1") != "0"
+PERSISTENT = switches.on("KERNELKIT_MOE_PERSISTENT")
 # How its rows of x (and of dout) are gathered: "auto" copies them first (index_select) for wide outputs, where the
 # copy is a small share of the GEMM and TMA boxes beat pointer loads, and gathers in the loads otherwise (the copy
 # would cost 5-13%); measured on the H100 (moe_persistent_ab2.json), gate-up TFLOP/s copy / in-load:
 # Mixtral 640-650 / 584-614, Qwen3 444-461 / 503-523, DeepSeek-V3 450-465 / 463-476. "copy" and "loads" force one.
-TMA_GATHER = os.environ.get("KERNELKIT_MOE_GATHER", "auto")
-if TMA_GATHER not in ("auto", "copy", "loads"):
-    raise ValueError(f"KERNELKIT_MOE_GATHER must be auto, copy or loads, got {TMA_GATHER!r}")
+TMA_GATHER = switches.value("KERNELKIT_MOE_GATHER")
 COPY_GATHER_MIN_N = 8192  # "auto": output columns (gate and up together) from which the rows are copied
 
 
@@ -610,7 +648,7 @@ def _persistent(a, weight, a_idx, scales, rows, up_offset=0) -> "bool | None":
     """B_KMAJOR for moe_grouped_tma_kernel (True: the (E, K, N') weight view is K-contiguous, nn.Linear's layout;
     False: N'-contiguous), or None where it does not apply: MXFP8 operands, 32-bit or unaligned operands, a GPU
     before Hopper, the CPU without the interpreter."""
-    if not (PERSISTENT and B_TMA) or scales == "mx" or a.dtype != weight.dtype:
+    if not (PERSISTENT and GEMM_TMA) or scales == "mx" or a.dtype != weight.dtype:
         return None
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         return None

@@ -10,7 +10,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from ... import switches
 from ...runtime import interpreting
+
+# Whether GEMMs load their operands through TMA descriptors on Hopper (linear's TMA kernel, the grouped kernels'
+# weights); read once here for every GEMM of the engine.
+GEMM_TMA = switches.on("KERNELKIT_GEMM_TMA")
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles as their uint16 bit patterns: there, the dot upcasts
 # (16-bit operands are exact in fp32, so the result is what the tensor cores compute).

@@ -24,12 +24,12 @@ backward).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ... import switches
 from ...roofline.model import Cost, dtype_key
 from ...runtime.alloc import empty
 from ...runtime import cdiv, interpreting, next_pow2
@@ -141,7 +141,7 @@ def moe_experts_fwd(x, weights, gate_up_weight, down_weight, experts, allow_tf32
 # Measured on the H100 (moe/moe-wgrad-bwd.json): faster for large experts (Mixtral's 117M and DeepSeek-V3's 29M
 # gate-up elements each: layer fwd+bwd 1.18x / 1.16x), slower for Qwen3-30B-A3B's 3M (0.91x): used from
 # CUBLAS_WGRAD_MIN elements of one expert's gate-up weight.
-CUBLAS_WGRADS = os.environ.get("KERNELKIT_MOE_WGRAD", "grouped_mm") != "triton"
+CUBLAS_WGRADS = switches.value("KERNELKIT_MOE_WGRAD") != "triton"
 CUBLAS_WGRAD_MIN = 1 << 23
 
 
@@ -338,7 +338,7 @@ class _MoEExpertsFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-KEEP_SAVED = os.environ.get("KERNELKIT_MOE_KEEP_SAVED", "0") == "1"
+KEEP_SAVED = switches.on("KERNELKIT_MOE_KEEP_SAVED")
 
 
 def _check(x, router_weight, gate_up_weight, down_weight, top_k, scoring, renormalize) -> tuple[int, int]:
