@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..runtime import interpreting
+from ..runtime import capturing, interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,11 +29,16 @@ def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
 
 
 def number(v, name: str, *, low: float | None = None, finite: bool = True, allow_bool: bool = False) -> float:
-    """A Python (or 0-dim tensor) real number as float, with an error naming the argument otherwise."""
+    """A Python (or 0-dim tensor) real number as float, with an error naming the argument otherwise. Reading a CUDA
+    tensor's value synchronizes with the host, which CUDA graph capture forbids: there it raises RuntimeError
+    (pass a Python number)."""
     if type(v) is float and math.isfinite(v) and (low is None or v >= low):  # the common case, first
         return v
     if isinstance(v, bool) and not allow_bool or not isinstance(v, (int, float)):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex() and not v.is_meta:
+            if v.is_cuda and capturing():
+                raise RuntimeError(f"{name} is a CUDA tensor, whose value cannot be read inside a CUDA graph capture "
+                                   f"(it synchronizes with the host): pass a Python number")
             v = v.item()
         else:
             raise TypeError(f"{name} must be a number, got {type(v).__name__}")

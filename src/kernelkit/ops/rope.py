@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
-from ..runtime import autotune, cdiv, launch, next_pow2
+from ..runtime import autotune, capturing, cdiv, launch, next_pow2
 from . import _validate
 from ._dispatch import Op
 from .registry import OpSpec, optional_import, register
@@ -134,7 +134,12 @@ def rope_kernel(Q, K, QO, KO, COS, SIN, POS, INV_FREQ,
 
 @functools.lru_cache(maxsize=64)
 def _inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    """Hugging Face's inv_freq bit for bit: computed in fp32 on the CPU, then moved."""
+    """Hugging Face's inv_freq bit for bit: computed in fp32 on the CPU, then moved (once per rotary_dim, base and
+    device: the move synchronizes, so inside a CUDA graph capture a first call raises RuntimeError)."""
+    if device.type == "cuda" and capturing():
+        raise RuntimeError(f"kernelkit.rope computes cos/sin for rotary_dim={rotary_dim}, base={base} for the first "
+                           f"time inside a CUDA graph capture, where moving its frequencies to the GPU would "
+                           f"synchronize: run rope once eagerly with these before capturing")
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return (1.0 / (base ** exponent)).to(device)
 

@@ -67,6 +67,15 @@ def autotune(configs: list, key: list[str], **kwargs):
     return mark
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (`torch.cuda.graph`, torch.compile's
+    mode="reduce-overhead"): then nothing may synchronize with the host, and what syncs is skipped or refused."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU-only torch build: no stream to capture
+        return False
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for host code (Triton 3.6's `triton.cdiv` is a constexpr function whose
     wrapper costs microseconds a call on the launch path)."""
@@ -179,6 +188,11 @@ def launch(kernel, grid, key, *args, **kwargs):
 
     The first call for a `key` takes the config stored by an earlier process for this machine, kernel source and
     tuning key (`tune/cache.py`), and tunes (then stores) only when there is none.
+    Under CUDA graph capture (`capturing()`) tuning cannot run (timing configs synchronizes with the host): a first
+    call that would tune raises RuntimeError, while one whose config is known (tuned earlier in this process, in
+    the persistent cache, or untuned: the interpreter, KERNELKIT_TUNE=first, a single config) launches it as usual.
+    So run each op once eagerly at the shapes to capture (the warm-up `torch.cuda.graph` and torch.compile's
+    cudagraphs want anyway).
     `key` must cover what the autotuner keys on (its key args and the tensors' dtypes); None for a plain
     JIT kernel. A callable `grid` may read only keyword (constexpr and config) arguments on the lean path
     (checked on first use; other grids take Triton's path). `KERNELKIT_LEAN_LAUNCH=0` (read at import;
@@ -267,6 +281,12 @@ def _tune(kernel, grid, key, args, kwargs):
     global tuning_seconds, tuned_keys
     tkey = cache.tuning_key(kernel, args, kwargs) if _tuned(kernel) else None
     tuning = tkey is not None and tkey not in kernel.cache
+    if tuning and capturing():
+        raise RuntimeError(
+            f"kernelkit: {kernel.base_fn.__name__} would autotune its first launch at tuning key {tkey} inside a CUDA "
+            f"graph capture, where timing configs is impossible (it synchronizes): run the op once eagerly at this "
+            f"shape and dtype before capturing (the warm-up torch.cuda.graph wants anyway), keep its config in the "
+            f"persistent tuning cache, or set KERNELKIT_TUNE=first to launch the first config untimed")
     if tuning and on_tune is not None:
         on_tune("start", {"kernel": kernel.base_fn.__name__, "key": tkey})
     start = time.perf_counter()
