@@ -38,6 +38,15 @@ def _seed_every_test(request):
     np.random.seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _patch_runs_kernelkit(request, monkeypatch):
+    """kernelkit.patch's switches measure kernelkit against the model's code per shape and may keep the
+    model's: tests written to exercise the kernels force them (KERNELKIT_PATCH_CHOICE=kernelkit), except
+    the tests of that choice."""
+    if not request.node.nodeid.startswith("tests/test_patch_choose.py"):
+        monkeypatch.setenv("KERNELKIT_PATCH_CHOICE", "kernelkit")
+
+
 @pytest.fixture
 def device():
     """Where kernel tests run: the GPU when present, else the CPU through the Triton interpreter."""

@@ -79,55 +79,59 @@ def _bind(undo: _Undo, module, forward, settings) -> None:
     undo.set(module, "forward", types.MethodType(forward, module))
 
 
-def _patch_norms(model, fam: Family, report, undo) -> None:
-    from .modules import norm_forward, norm_settings
+def _patch_norms(model, fam: Family, report, undo, modes) -> None:
+    from .modules import norm_forward, norm_settings, norm_site
 
     names = set(fam.norms) | {n for n in get("rms_norm").replaces if "::" not in n}
     op = f"kernelkit.rms_norm(offset={fam.norm_offset:g})"
     for cls, mods in _instances(model, names).items():
-        done = 0
+        done, site = 0, norm_site(mods[0], modes, report)
         for m in mods:
             settings = norm_settings(m, fam.norm_offset, report)
             if isinstance(settings, str) or "forward" in vars(m):
                 report.skip(cls, settings if isinstance(settings, str) else "forward already replaced")
                 continue
+            settings.token = site.token
             _bind(undo, m, norm_forward, settings)
             done += 1
         report.add("rms_norm", cls, op, done)
 
 
-def _patch_mlps(model, fam: Family, report, undo) -> None:
-    from .modules import mlp_forward, mlp_settings
+def _patch_mlps(model, fam: Family, report, undo, modes) -> None:
+    from .modules import mlp_forward, mlp_settings, mlp_site
 
     for cls, mods in _instances(model, fam.mlps).items():
-        done, op = 0, ""
+        done, op, site = 0, "", mlp_site(mods[0], modes, report)
         for m in mods:
             settings = mlp_settings(m, fam, ACTIVATIONS, report)
             if isinstance(settings, str) or "forward" in vars(m):
                 report.skip(cls, settings if isinstance(settings, str) else "forward already replaced")
                 continue
+            settings.token = site.token
             _bind(undo, m, mlp_forward, settings)
             op = settings.describe()
             done += 1
         report.add("mlp", cls, op, done)
 
 
-def _patch_moe(model, fam: Family, report, undo) -> None:
-    from .modules import experts_forward, experts_settings
+def _patch_moe(model, fam: Family, report, undo, modes) -> None:
+    from .modules import experts_forward, experts_settings, experts_site
 
     for cls, blocks in _instances(model, fam.moe_blocks).items():
-        done = 0
+        done, site = 0, None
         for block in blocks:
             settings = experts_settings(block, ACTIVATIONS, report)
             if isinstance(settings, str):
                 report.skip(cls, settings)
                 continue
+            site = site or experts_site(block.experts, modes, report)
+            settings.token = site.token
             _bind(undo, block.experts, experts_forward, settings)
             done += 1
         report.add("moe", f"{cls}.experts", "kernelkit moe_experts (grouped GEMM, SwiGLU); HF router", done)
 
 
-def _patch_rope(model, fam: Family, report, undo) -> None:
+def _patch_rope(model, fam: Family, report, undo, modes) -> None:
     from .modules import rope_function, rope_signature_ok, with_globals
 
     for cls, mods in _instances(model, fam.attentions).items():
@@ -137,7 +141,7 @@ def _patch_rope(model, fam: Family, report, undo) -> None:
                 or original is None or not rope_signature_ok(original):
             report.skip(cls, f"forward does not call {fam.rope_function}(q, k, cos, sin, unsqueeze_dim) directly")
             continue
-        forward = with_globals(fn, {fam.rope_function: rope_function(original, report)})
+        forward = with_globals(fn, {fam.rope_function: rope_function(original, report, modes)})
         done = 0
         for m in mods:
             if "forward" in vars(m):
@@ -148,7 +152,7 @@ def _patch_rope(model, fam: Family, report, undo) -> None:
         report.add("rope", cls, f"kernelkit.rope in place of {fam.rope_function}", done)
 
 
-def _patch_attention(model, fam: Family, report, undo) -> None:
+def _patch_attention(model, fam: Family, report, undo, modes) -> None:
     from . import attention
 
     found = _instances(model, fam.attentions)
@@ -166,8 +170,9 @@ def _patch_attention(model, fam: Family, report, undo) -> None:
         if getattr(m, "config", None) is config:
             undo.set(m, "config", private)
     for cls, mods in found.items():
+        site = attention.site(mods[0], modes, report, original)
         for m in mods:
-            undo.set(m, "_kernelkit", attention.AttentionSettings(report, original))
+            undo.set(m, "_kernelkit", attention.AttentionSettings(report, original, site.token))
         report.add("attention", cls, f'kernelkit attention (AttentionInterface "{attention.NAME}")', len(mods))
     # Only where the attention forward passes the softcap on (Gemma 2 does; Gemma 3 keeps it in its config and
     # never applies it, nor does kernelkit then).
@@ -179,47 +184,51 @@ def _patch_attention(model, fam: Family, report, undo) -> None:
                     f"model as trained)")
 
 
-def _patch_loss(model, fam: Family, report, undo) -> None:
-    from .loss import causal_lm_forward, loss_settings
+def _patch_loss(model, fam: Family, report, undo, modes) -> None:
+    from .loss import causal_lm_forward, loss_settings, loss_site
 
     settings = loss_settings(model, fam, report)
     if isinstance(settings, str):
         report.skip(f"{type(model).__name__} loss", settings)
         return
+    settings.token = loss_site(model, modes, report).token
     _bind(undo, model, causal_lm_forward, settings)
     report.add("cross_entropy", type(model).__name__, "linear_cross_entropy on hidden states (labels, training)", 1)
 
 
-def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
-          attention: bool = True, cross_entropy: bool = True, moe: bool = True,
-          swiglu: bool | None = None) -> PatchReport:
+def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attention=True, cross_entropy=True,
+          moe=True, swiglu=None) -> PatchReport:
     """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
 
-    Switches turn each replacement off: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias),
-    `rope`, `attention`, `cross_entropy` (the fused linear cross-entropy when called with labels in
-    training mode, returning logits=None), `moe` (the experts of sparse MoE blocks). Families: see
-    `kernelkit.patch.families.FAMILIES`. Raises ValueError for a model of no known family, or one already
-    patched.
+    Switches: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias), `rope`, `attention`,
+    `cross_entropy` (the fused linear cross-entropy when called with labels in training mode, returning
+    logits=None), `moe` (the experts of sparse MoE blocks). Each takes:
+    - True or "auto" (the default): kernelkit runs only where it is measured faster than what the model
+      ran before, per shape, dtype and GPU (the first call at a new shape times both; `patch.choose`);
+    - "kernelkit": kernelkit at every shape, unmeasured;
+    - False: the switch is off (the model's own code everywhere).
+    The report's `choices` say, per switch and shape, which path runs and the measured ratio. Families:
+    see `kernelkit.patch.families.FAMILIES`. Raises ValueError for a model of no known family, one
+    already patched, or a switch value not in the list above.
     """
+    from .choose import mode
+
     if swiglu is not None:
         mlp = swiglu
+    modes = {kind: mode(name, value) for kind, name, value in (
+        ("rms_norm", "rms_norm", rms_norm), ("mlp", "mlp" if swiglu is None else "swiglu", mlp),
+        ("rope", "rope", rope), ("attention", "attention", attention),
+        ("cross_entropy", "cross_entropy", cross_entropy), ("moe", "moe", moe))}
     if isinstance(vars(model).get("_kernelkit_patch"), _Patched):
         raise ValueError("this model is patched already; call kernelkit.unpatch(model) first")
     fam = find_family(model)
     report, undo = PatchReport(model=type(model).__name__, family=fam.name), _Undo()
+    steps = {"rms_norm": _patch_norms, "mlp": _patch_mlps, "moe": _patch_moe, "rope": _patch_rope,
+             "attention": _patch_attention, "cross_entropy": _patch_loss}
     try:
-        if rms_norm:
-            _patch_norms(model, fam, report, undo)
-        if mlp:
-            _patch_mlps(model, fam, report, undo)
-        if moe:
-            _patch_moe(model, fam, report, undo)
-        if rope:
-            _patch_rope(model, fam, report, undo)
-        if attention:
-            _patch_attention(model, fam, report, undo)
-        if cross_entropy:
-            _patch_loss(model, fam, report, undo)
+        for kind, step in steps.items():
+            if modes[kind] is not None:
+                step(model, fam, report, undo, modes)
     except BaseException:
         undo.restore()
         raise

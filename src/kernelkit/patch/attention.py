@@ -37,6 +37,7 @@ import torch
 
 from ..ops.attention import attention
 from ..runtime import interpreting
+from . import choose
 
 NAME = "kernelkit"
 # What kernelkit.ops.attention.attention takes (its validate() raises otherwise): calls outside fall back.
@@ -55,6 +56,7 @@ class AttentionSettings:
     fully masked query rows kernelkit reproduces."""
     report: object
     original: Optional[str] = None
+    token: Optional[int] = None  # the choose.Site deciding kernelkit or the original per shape
 
 
 def register() -> None:
@@ -261,6 +263,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             report.fell_back("attention", reason)
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          causal, kwargs)
+    token = getattr(getattr(module, "_kernelkit", None), "token", None)
+    if token is not None:
+        b, hq, sq, d = query.shape
+        decision = (choose.bucket(b), hq, key.shape[1], choose.bucket(sq), choose.bucket(key.shape[2]), d,
+                    choose.dtype_name(query.dtype), bool(causal), sliding_window, softcap, scaling,
+                    attention_mask is not None, choose.needs_grad(query, key, value))
+        if not choose.decide(token, decision):
+            return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                             causal, kwargs)
+    return _kernel(module, query, key, value, runs, causal, scaling, sliding_window, softcap, kwargs)
+
+
+def _kernel(module, query, key, value, runs, causal, scaling, sliding_window, softcap, kwargs):
+    """kernelkit's kernel on HF's (batch, heads, seq, d) tensors: dense, or unpadded along `runs`."""
     window = sliding_window - 1 if sliding_window else None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if runs is None:
@@ -298,3 +314,40 @@ def _eager_on_empty_rows(o, eager, module, query, key, value, empty, scaling, sl
         cols.append(pos)
         vals.append(out[0].to(o.dtype))
     return o.index_put((torch.cat(rows), torch.cat(cols)), torch.cat(vals))
+
+
+# --- kernelkit or the model's own attention, per shape ---
+
+def _trial(module, key) -> choose.Trial:
+    b, hq, hk, sq, sk, d, dtype, causal, sliding_window, softcap, scaling, padded, grad = key
+    dt, dev = getattr(torch, dtype), torch.device("cuda", torch.cuda.current_device())
+    g = choose.generator(dev)
+    q = choose.randn((b, hq, sq, d), dt, dev, g, grad)
+    k, v = (choose.randn((b, hk, sk, d), dt, dev, g, grad) for _ in range(2))
+    mask, runs = None, None
+    if padded:  # right padding, each row keeping between half and all of its tokens
+        lens = torch.randint(max(1, sk // 2), sk + 1, (b,), device=dev, generator=g)
+        mask = (torch.arange(sk, device=dev)[None, :] < lens[:, None]).to(torch.long)
+        runs = _plan_runs(mask)
+    return choose.Trial(
+        lambda: _kernel(module, q, k, v, runs, causal, scaling, sliding_window, softcap, {})[0],
+        lambda: _fallback(module, q, k, v, mask, 0.0, scaling, sliding_window, softcap, causal, {})[0],
+        [q, k, v] if grad else [])
+
+
+def _shape(key) -> str:
+    b, hq, hk, sq, sk, d, dtype, causal, sliding_window, softcap, scaling, padded, grad = key
+    extra = [f"kv heads {hk}" if hk != hq else "", "causal" if causal else "",
+             f"window {sliding_window}" if sliding_window else "", f"softcap {softcap:g}" if softcap else "",
+             "padded" if padded else ""]
+    return " ".join(x for x in (f"b{b} h{hq} s{sq}" + (f"/{sk}" if sk != sq else "") + f" d{d} {dtype}", *extra,
+                                "fwd+bwd" if grad else "fwd") if x)
+
+
+def site(module, modes: dict, report, original: Optional[str]) -> choose.Site:
+    """The decision site of one patched attention class: kernelkit against `original` (what the model ran
+    before: SDPA, eager, or another registered implementation, reached through `_fallback`)."""
+    name = {"eager": "eager attention", None: "sdpa"}.get(original, original)
+    if name not in ("eager attention", "sdpa"):
+        name = f"sdpa (in place of {name})"  # _fallback runs SDPA for implementations other than eager
+    return choose.Site("attention", modes, report, _trial, _shape, name, module)

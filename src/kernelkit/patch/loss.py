@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.linear_cross_entropy import linear_cross_entropy
+from . import choose
 from .modules import CPU_REASON, runs_kernels
 from .report import PatchReport
 
@@ -34,6 +35,7 @@ class LossSettings:
     router_aux_loss: bool
     linear_cross_entropy: Callable
     report: PatchReport
+    token: int | None = None  # the choose.Site deciding kernelkit or the original
 
 
 def loss_settings(model, family, report: PatchReport) -> LossSettings | str:
@@ -68,7 +70,50 @@ def causal_lm_forward(self, *args, **kwargs):
     if reason is not None:
         kk.report.fell_back("cross_entropy", reason)
         return type(self).forward(self, *args, **kwargs)
+    if kk.token is not None:
+        labels, w = call["labels"], self.lm_head.weight
+        keep = call.get("logits_to_keep", 0)
+        tokens = labels.numel() if not isinstance(keep, int) or keep == 0 else labels.shape[0] * keep
+        key = (choose.bucket(tokens), w.shape[1], w.shape[0], choose.dtype_name(w.dtype),
+               getattr(self.config, "final_logit_softcapping", None), self.lm_head.bias is not None,
+               torch.is_grad_enabled())
+        if not choose.decide(kk.token, key):
+            return type(self).forward(self, *args, **kwargs)
     return _fused(self, kk, call)
+
+
+def _loss_trial(model, key):
+    """The loss from the hidden states both ways: kernelkit's fused one, and the model's (the lm_head's
+    logits, softcapped, upcast to fp32, cross-entropy), or None when the model's logits would not fit."""
+    tokens, hidden, vocab, dtype, softcap, bias, grad = key
+    head = model.lm_head
+    dev, dt = head.weight.device, getattr(torch, dtype)
+    logits_bytes = tokens * vocab * (dt.itemsize + 4 + 4)  # logits, their fp32 copy, its gradient
+    if logits_bytes > choose.LOGITS_SHARE * torch.cuda.mem_get_info(dev)[0]:
+        return None
+    g = choose.generator(dev)
+    h = choose.randn((tokens, hidden), dt, dev, g, grad)
+    labels = torch.randint(0, vocab, (tokens,), device=dev, generator=g)
+
+    def original():
+        logits = F.linear(h, head.weight, head.bias)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return F.cross_entropy(logits.float(), labels)
+
+    wrt = [t for t in (h, head.weight, head.bias) if isinstance(t, torch.Tensor) and t.requires_grad] if grad else []
+    return choose.Trial(lambda: linear_cross_entropy(h, head.weight, labels, head.bias, softcap=softcap),
+                        original, wrt)
+
+
+def _loss_shape(key) -> str:
+    tokens, hidden, vocab, dtype, softcap, bias, grad = key
+    return (f"{tokens} tokens x {hidden} -> vocab {vocab} {dtype}{f' softcap {softcap:g}' if softcap else ''} "
+            f"{'fwd+bwd' if grad else 'fwd'}")
+
+
+def loss_site(model, modes: dict, report: PatchReport) -> choose.Site:
+    return choose.Site("cross_entropy", modes, report, _loss_trial, _loss_shape, "lm_head + cross_entropy", model)
 
 
 # Set on a forward hook that only watches calls and changes nothing (kernelkit profile's module tracker):

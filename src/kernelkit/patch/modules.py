@@ -19,6 +19,7 @@ import torch
 
 from ..runtime import interpreting
 from ..ops import glu
+from . import choose
 from ..ops.moe import moe_experts
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope
@@ -39,6 +40,7 @@ class NormSettings:
     offset: float
     eps_attr: str
     report: PatchReport
+    token: int | None = None  # the choose.Site deciding kernelkit or the original (one per class per patch)
 
 
 def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +50,34 @@ def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
         # Llama multiplies in the weight's dtype and promotes; Gemma rounds to x's: only equal dtypes agree.
         kk.report.fell_back("rms_norm", CPU_REASON if not runs_kernels(x) else "weight dtype differs from input")
         return type(self).forward(self, x)
+    key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype), choose.needs_grad(x, w))
+    if kk.token is not None and not choose.decide(kk.token, key):
+        return type(self).forward(self, x)
+    return _norm(self, x)
+
+
+def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    kk: NormSettings = self._kernelkit
     eps = getattr(self, kk.eps_attr)
     if eps is None:  # torch.nn.RMSNorm's default
         eps = torch.finfo(x.dtype).eps
-    return rms_norm(x, w, eps=eps, offset=kk.offset)
+    return rms_norm(x, self.weight, eps=eps, offset=kk.offset)
+
+
+def _norm_trial(module, key) -> choose.Trial:
+    rows, hidden, dtype, grad = key
+    w = module.weight
+    x = choose.randn((rows, hidden), getattr(torch, dtype), w.device, choose.generator(w.device), grad)
+    return choose.Trial(lambda: _norm(module, x), lambda: type(module).forward(module, x),
+                        [t for t in (x, w) if t.requires_grad] if grad else [])
+
+
+def _rows_shape(key) -> str:
+    return f"{key[0]}x{key[1]} {key[2]} {'fwd+bwd' if key[3] else 'fwd'}"
+
+
+def norm_site(module, modes: dict, report: PatchReport) -> choose.Site:
+    return choose.Site("rms_norm", modes, report, _norm_trial, _rows_shape, f"{type(module).__name__}.forward", module)
 
 
 def norm_settings(module: torch.nn.Module, offset: float, report: PatchReport) -> NormSettings | str:
@@ -73,6 +99,7 @@ class MLPSettings:
     glu_kwargs: dict
     fused: bool  # gate_up_proj with the gate in the first half (Phi-3) instead of gate_proj + up_proj
     report: PatchReport
+    token: int | None = None  # the choose.Site deciding kernelkit or the original
 
     def describe(self) -> str:
         args = ["gate_up" if self.fused else "gate, up"] + [f"{k}={v!r}" for k, v in self.glu_kwargs.items()]
@@ -84,9 +111,30 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not runs_kernels(x):
         kk.report.fell_back("mlp", CPU_REASON)
         return type(self).forward(self, x)
+    key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype),
+           choose.needs_grad(x, *self.parameters()))
+    if kk.token is not None and not choose.decide(kk.token, key):
+        return type(self).forward(self, x)
+    return _mlp(self, x)
+
+
+def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    kk: MLPSettings = self._kernelkit
     if kk.fused:
         return self.down_proj(kk.glu(self.gate_up_proj(x), None, **kk.glu_kwargs))
     return self.down_proj(kk.glu(self.gate_proj(x), self.up_proj(x), **kk.glu_kwargs))
+
+
+def _mlp_trial(module, key) -> choose.Trial:
+    rows, hidden, dtype, grad = key
+    dev = next(module.parameters()).device
+    x = choose.randn((rows, hidden), getattr(torch, dtype), dev, choose.generator(dev), grad)
+    wrt = [x, *(p for p in module.parameters() if p.requires_grad)] if grad else []
+    return choose.Trial(lambda: _mlp(module, x), lambda: type(module).forward(module, x), wrt)
+
+
+def mlp_site(module, modes: dict, report: PatchReport) -> choose.Site:
+    return choose.Site("mlp", modes, report, _mlp_trial, _rows_shape, f"{type(module).__name__}.forward", module)
 
 
 def mlp_settings(module: torch.nn.Module, family, activations: dict, report: PatchReport) -> MLPSettings | str:
@@ -107,18 +155,57 @@ def mlp_settings(module: torch.nn.Module, family, activations: dict, report: Pat
 
 # --- rope: the attention forward, its module globals with the rope function swapped ---
 
-def rope_function(original: Callable, report: PatchReport) -> Callable:
+# Each patched model's rope: (the modeling file's own function, the report), by the token baked into its stand-in.
+_ROPES: dict[int, tuple[Callable, PatchReport, bool]] = {}
+
+
+def _rope_call(token: int, q, k, cos, sin, unsqueeze_dim):
+    original, report, choosing = _ROPES[token]
+    if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad:
+        report.fell_back("rope", CPU_REASON if not runs_kernels(q) else "cos/sin not per-token (B, S, D)")
+        return original(q, k, cos, sin, unsqueeze_dim)
+    h_dim, s_dim = (1, 2) if unsqueeze_dim == 1 else (2, 1)
+    key = (choose.bucket(q.shape[0]), q.shape[h_dim], k.shape[h_dim], choose.bucket(q.shape[s_dim]), q.shape[3],
+           cos.shape[-1], unsqueeze_dim, choose.dtype_name(q.dtype), choose.needs_grad(q, k))
+    if choosing and not choose.decide(token, key):
+        return original(q, k, cos, sin, unsqueeze_dim)
+    return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
+
+
+def _rope_trial(original, key) -> choose.Trial:
+    b, hq, hk, seq, d, rot, dim, dtype, grad = key
+    dt, dev = getattr(torch, dtype), torch.device("cuda", torch.cuda.current_device())
+    g = choose.generator(dev)
+    q, k = ((b, h, seq, d) if dim == 1 else (b, seq, h, d) for h in (hq, hk))
+    q, k = choose.randn(q, dt, dev, g, grad), choose.randn(k, dt, dev, g, grad)
+    cos, sin = choose.randn((b, seq, rot), dt, dev, g), choose.randn((b, seq, rot), dt, dev, g)
+    layout = "bhsd" if dim == 1 else "bshd"
+    return choose.Trial(lambda: rope(q, k, cos, sin, layout=layout), lambda: original(q, k, cos, sin, dim),
+                        [q, k] if grad else [])
+
+
+def _rope_shape(key) -> str:
+    b, hq, hk, seq, d, rot, dim, dtype, grad = key
+    return (f"b{b} s{seq} heads {hq}" + (f"/{hk}" if hk != hq else "") + f" d{d}"
+            + (f" rotary {rot}" if rot != d else "") + f" {dtype} {'fwd+bwd' if grad else 'fwd'}")
+
+
+def rope_function(original: Callable, report: PatchReport, modes: dict | None = None) -> Callable:
     """kernelkit's stand-in for Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``:
     per-token cos/sin (B, S, rotary_dim) from the model's rotary module (any rope scaling), q and k
-    (B, H, S, D) (unsqueeze_dim=1) or (B, S, H, D) (unsqueeze_dim=2); partial rotary from cos's width."""
+    (B, H, S, D) (unsqueeze_dim=1) or (B, S, H, D) (unsqueeze_dim=2); partial rotary from cos's width.
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad:
-            report.fell_back("rope", CPU_REASON if not runs_kernels(q) else "cos/sin not per-token (B, S, D)")
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
-
-    return apply_rotary_pos_emb
+    The stand-in is compiled with its token as a literal and this module's globals: torch.compile reaches it
+    through the modeling module's name (the attention forward's globals are a copy, `with_globals`), so a
+    value it read from a closure would be guarded at a path that does not lead to it."""
+    site = choose.Site("rope", modes or {"rope": "kernelkit"}, report, _rope_trial, _rope_shape,
+                       getattr(original, "__name__", "rope"), original)
+    _ROPES[site.token] = (original, report, modes is not None)
+    src = (f"def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):\n"
+           f"    return _rope_call({site.token}, q, k, cos, sin, unsqueeze_dim)\n")
+    code = next(c for c in compile(src, f"<kernelkit rope {site.token}>", "exec").co_consts
+                if isinstance(c, types.CodeType))
+    return types.FunctionType(code, globals(), "apply_rotary_pos_emb", (1,))
 
 
 def rope_signature_ok(fn: Callable) -> bool:
@@ -157,6 +244,7 @@ MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class ExpertsSettings:
     report: PatchReport
+    token: int | None = None  # the choose.Site deciding kernelkit or the original
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -176,7 +264,35 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if reason is not None:
         kk.report.fell_back("moe", reason)
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    key = (choose.bucket(hidden_states.shape[0]), top_k_index.shape[1], *gate_up.shape, choose.dtype_name(gate_up.dtype),
+           choose.needs_grad(hidden_states, top_k_weights, gate_up, down))
+    if kk.token is not None and not choose.decide(kk.token, key):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     return moe_experts(hidden_states, top_k_weights, gate_up, down, top_k_index)
+
+
+def _experts_trial(experts, key) -> choose.Trial:
+    tokens, k, n_exp, _, hidden, dtype, grad = key
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    dt, dev = getattr(torch, dtype), gate_up.device
+    g = choose.generator(dev)
+    h = choose.randn((tokens, hidden), dt, dev, g, grad)
+    logits = torch.rand(tokens, n_exp, device=dev, generator=g)
+    w, ids = logits.topk(k, dim=1)
+    w = (w / w.sum(1, keepdim=True)).to(dt).requires_grad_(grad)
+    wrt = [t for t in (h, w, gate_up, down) if t.requires_grad] if grad else []
+    return choose.Trial(lambda: moe_experts(h, w, gate_up, down, ids),
+                        lambda: type(experts).forward(experts, h, ids, w), wrt)
+
+
+def _experts_shape(key) -> str:
+    tokens, k, n_exp, i2, hidden, dtype, grad = key
+    return f"{tokens} tokens top-{k} of {n_exp} experts {hidden}->{i2 // 2} {dtype} {'fwd+bwd' if grad else 'fwd'}"
+
+
+def experts_site(experts, modes: dict, report: PatchReport) -> choose.Site:
+    return choose.Site("moe", modes, report, _experts_trial, _experts_shape, f"{type(experts).__name__}.forward",
+                       experts)
 
 
 def experts_settings(block: torch.nn.Module, activations: dict, report: PatchReport) -> ExpertsSettings | str:

@@ -28,6 +28,8 @@ class PatchReport:
     skipped_count: dict[tuple[str, str], int] = field(default_factory=dict)  # how many instances per pair
     fallbacks: dict[tuple[str, str], int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # where the patched model computes differently, and why
+    # (kind, shape, original) -> the choice.Choice made there: which path runs, measured how
+    choices: dict = field(default_factory=dict)
 
     def add(self, kind: str, target: str, op: str, count: int) -> None:
         if count:
@@ -54,6 +56,14 @@ class PatchReport:
             return
         self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
 
+    def chose(self, choice) -> None:
+        """Record which path runs at one shape (`choose.Choice`); the latest decision per shape wins."""
+        self.choices[(choice.kind, choice.shape, choice.original)] = choice
+
+    def running(self, kind: str | None = None) -> list:
+        """The choices made so far (of `kind`), each with `.path` ("kernelkit" or the model's own)."""
+        return [c for (k, _, _), c in self.choices.items() if kind is None or k == kind]
+
     def count(self, kind: str) -> int:
         """How many modules (or forwards) of `kind` were replaced."""
         return sum(r.count for r in self.replaced if r.kind == kind)
@@ -74,6 +84,8 @@ class PatchReport:
             t.add_row("left alone", what, str(self.skipped_count.get((what, why), 1)), why, style="dim")
         for (kind, reason), n in sorted(self.fallbacks.items()):
             t.add_row("fallback", kind, _calls(n), reason, style="yellow")
+        for c in self.choices.values():
+            t.add_row("chose", c.kind, c.shape, c.describe(), style="green" if c.use_kernelkit else "magenta")
         for text in self.notes:
             t.add_row("note", "", "", text, style="cyan")
         return t
@@ -91,6 +103,9 @@ class PatchReport:
         lines = [f"kernelkit.patch: {self.model} ({self.family})"]
         for r in [head, *rows]:
             lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
+        if self.choices:
+            lines.append("  which path runs, per shape:")
+            lines += [f"    {c.kind} {c.shape}: {c.describe()}" for c in self.choices.values()]
         return "\n".join(lines)
 
 

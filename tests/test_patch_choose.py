@@ -1,0 +1,218 @@
+"""kernelkit.patch's measured choice: each switch runs kernelkit only where it measured faster than the model's
+own code, per shape; "kernelkit" forces it; the decision is cached, made at trace time under torch.compile,
+refused inside a CUDA graph capture, and reported. On the CPU the measurement is replaced (the interpreter
+cannot time kernels); the GPU tests time for real."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernelkit.patch import choose, modules, patch  # noqa: E402
+from kernelkit.runtime import interpreting  # noqa: E402
+from tests.test_patch import batch, tiny_model  # noqa: E402
+
+KINDS = ("rms_norm", "mlp", "rope", "attention", "cross_entropy")
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                   reason="kernelkit.patch tests need a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decisions(monkeypatch):
+    choose.forget()
+    monkeypatch.setattr(choose, "_file", lambda: None)  # no disk cache unless a test sets one
+    yield
+    choose.forget()
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """Measurement replaced: `faster[kind]` says which path wins; every measured key is logged."""
+    faster = {k: "original" for k in (*KINDS, "moe")}
+    log: list = []
+
+    def measured(site, key, shape):
+        log.append((site.kind, key))
+        kk_wins = faster[site.kind] == "kernelkit"
+        return choose.Choice(site.kind, shape, site.original, kk_wins, "measured", 1.0 if kk_wins else 2.0,
+                             2.0 if kk_wins else 1.0)
+
+    monkeypatch.setattr(choose, "can_measure", lambda: True)
+    monkeypatch.setattr(choose, "_measure_choice", measured)
+    return faster, log
+
+
+def test_switch_values():
+    assert choose.mode("attention", True) == "auto"
+    assert choose.mode("attention", "auto") == "auto"
+    assert choose.mode("attention", "kernelkit") == "kernelkit"
+    assert choose.mode("attention", False) is None
+    with pytest.raises(ValueError, match="attention='fast'"):
+        choose.mode("attention", "fast")
+
+
+def test_bad_switch_value_names_the_argument():
+    model = tiny_model("llama", layers=1)
+    with pytest.raises(ValueError, match="rms_norm=1"):
+        patch(model, rms_norm=1)
+    with pytest.raises(ValueError, match="swiglu='yes'"):
+        patch(model, swiglu="yes")
+    assert "forward" not in vars(model.model.norm)  # nothing patched
+
+
+def test_bucket():
+    assert [choose.bucket(n) for n in (1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 2, 4, 4, 8, 1024, 1024, 2048]
+
+
+@needs_kernels
+def test_measured_slower_keeps_the_models_own_code(fake_timer, monkeypatch):
+    """Where the model's own code measured faster, it runs: the patched model computes bit for bit what the
+    unpatched one does, no kernelkit op is called, and the report says what was kept, per shape."""
+    model = tiny_model("llama", dtype=torch.bfloat16, attn="sdpa")
+    ref = copy.deepcopy(model)
+    for name in ("rms_norm", "rope"):
+        monkeypatch.setattr(modules, name, _forbidden(name))
+    monkeypatch.setattr(modules.glu, "swiglu", _forbidden("swiglu"))
+    report = patch(model)
+    ids, labels = batch()
+    model.train(), ref.train()
+    got, want = model(ids, labels=labels), ref(ids, labels=labels)
+    assert got.logits is not None  # the model's own loss ran: it returns the logits
+    assert torch.equal(got.loss, want.loss)
+    kinds = {c.kind for c in report.choices.values()}
+    assert kinds == set(KINDS)
+    assert all(not c.use_kernelkit and c.path == c.original for c in report.choices.values())
+    text = str(report)
+    assert "kept sdpa: 2.00x faster than kernelkit" in text
+    assert "kept LlamaRMSNorm.forward" in text
+
+
+def _forbidden(name):
+    def f(*a, **k):
+        raise AssertionError(f"kernelkit's {name} ran where the model's own code measured faster")
+    return f
+
+
+@needs_kernels
+def test_measured_faster_runs_kernelkit_and_measures_each_key_once(fake_timer):
+    faster, log = fake_timer
+    faster.update({k: "kernelkit" for k in faster})
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    report = patch(model)
+    model.train()
+    for seed in (1, 2):
+        model(batch(seed)[0], labels=batch(seed)[1]).loss.backward()
+    assert len(log) == len(set(log)) == len(report.choices)  # the second step measured nothing new
+    assert all(c.use_kernelkit for c in report.choices.values())
+    assert report.fallback_count() == 0
+    # a new token count in the same power-of-two bucket shares the decision; another bucket is measured
+    before = len(log)
+    model(*_ids(7))
+    assert len(log) == before
+    model(*_ids(13))
+    assert len(log) > before
+
+
+def _ids(seq):
+    ids = torch.randint(1, 128, (2, seq))
+    return ids, ids.clone()
+
+
+@needs_kernels
+def test_forced_mode_never_measures(fake_timer):
+    _, log = fake_timer
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    report = patch(model, rms_norm="kernelkit", mlp="kernelkit", rope="kernelkit", attention="kernelkit",
+                   cross_entropy="kernelkit")
+    model.train()
+    model(*batch())
+    assert log == []
+    assert {c.source for c in report.choices.values()} == {"forced"}
+
+
+@needs_kernels
+def test_switches_choose_independently(fake_timer):
+    faster, _ = fake_timer
+    faster["rms_norm"] = "kernelkit"
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    report = patch(model, attention=False)
+    model.train()
+    model(*batch())
+    paths = {c.kind: c.path for c in report.choices.values()}
+    assert paths["rms_norm"] == "kernelkit" and paths["mlp"] == "LlamaMLP.forward"
+    assert "attention" not in paths
+
+
+@needs_kernels
+def test_decided_while_tracing_under_compile(fake_timer):
+    """Under torch.compile the choice is made once, at trace time, and the graph runs the chosen path."""
+    _, log = fake_timer
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1).eval()
+    ref = copy.deepcopy(model)
+    report = patch(model)
+    ids = batch()[0]
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        got, want = compiled(ids).logits, ref(ids).logits
+        n = len(log)
+        compiled(ids)
+    assert n > 0 and len(log) == n
+    assert torch.equal(got, want)
+    assert report.choices
+
+
+@needs_kernels
+def test_capture_refuses_to_measure(fake_timer, monkeypatch):
+    monkeypatch.setattr(choose, "capturing", lambda: True)
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1)
+    patch(model)
+    with pytest.raises(RuntimeError, match="eagerly at this shape before capturing"):
+        model(batch()[0])
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setattr(choose, "_file", lambda: tmp_path / "choices.json")
+    monkeypatch.setattr(choose.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kernelkit.runtime.cache.fingerprint", lambda: {"gpu": "test"})
+    c = choose.Choice("rms_norm", "8x64 bfloat16 fwd", "LlamaRMSNorm.forward", False, "measured", 2.0, 1.0)
+    ck = choose._cache_key("rms_norm", (8, 64, "bfloat16", False), c.original)
+    choose._to_disk(ck, c)
+    back = choose._from_disk(ck, "rms_norm", c.shape, c.original)
+    assert back.source == "cache" and not back.use_kernelkit and back.ratio == 0.5
+    assert choose._from_disk(ck.replace("64", "65"), "rms_norm", c.shape, c.original) is None
+    (tmp_path / "choices.json").write_text("{not json")
+    assert choose._from_disk(ck, "rms_norm", c.shape, c.original) is None  # a corrupt file is a miss
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_real_measurement_on_the_gpu(tmp_path, monkeypatch):
+    """On a GPU the paths are timed: every choice has both times, the step's outputs match the unpatched
+    model's, the user's random stream is untouched, and a new process reads the decisions from disk."""
+    monkeypatch.setattr(choose, "_file", lambda: tmp_path / "choices.json")
+    model = tiny_model("llama", dtype=torch.bfloat16, device="cuda", layers=1)
+    ref = copy.deepcopy(model)
+    report = patch(model)
+    ids, labels = (t.cuda() for t in batch())
+    model.train(), ref.train()
+    torch.manual_seed(5)
+    loss = model(ids, labels=labels).loss
+    after = torch.randn(4, device="cuda")
+    torch.manual_seed(5)
+    want = ref(ids, labels=labels).loss
+    assert torch.equal(after, torch.randn(4, device="cuda"))  # measurement drew from its own generator
+    torch.testing.assert_close(loss.float(), want.float(), rtol=2e-2, atol=2e-2)
+    measured = [c for c in report.choices.values() if c.source == "measured"]
+    assert {c.kind for c in measured} == set(KINDS)
+    assert all(c.kernelkit_ms > 0 and c.original_ms > 0 for c in measured)
+    choose.forget()  # as a new process: the decisions come back from the file
+    model2 = tiny_model("llama", dtype=torch.bfloat16, device="cuda", layers=1).train()
+    report2 = patch(model2)
+    model2(ids, labels=labels)
+    assert {c.source for c in report2.choices.values()} == {"cache"}
+    assert {(c.kind, c.shape, c.use_kernelkit) for c in report2.choices.values()} == \
+        {(c.kind, c.shape, c.use_kernelkit) for c in report.choices.values()}
