@@ -152,14 +152,15 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
                                                        "profiler (GPU side, host time excluded)"),
           table: bool = typer.Option(True, help="append the rows to the GPU's results table, "
                                                 "benchmarks/results/<gpu>.csv, in a source checkout"),
-          example: str = typer.Option("llama", help="bench model: built-in config (llama: Llama-3-8B's layer shapes)"),
+          example: str = typer.Option("llama", help="bench model: built-in config (llama: Llama-3-8B's layer shapes; llama-1b: Llama-3.2-1B's)"),
           config: Optional[Path] = typer.Option(None, help="bench model: a Hugging Face config.json instead"),
           layers: Optional[int] = typer.Option(2, help="bench model: decoder layers (default 2; 0 keeps the config's)"),
           batch: int = typer.Option(4, help="bench model: sequences per step"),
           seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
           steps: int = typer.Option(5, min=1, help="bench model: timed steps per variant (the median is reported)"),
           variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
-                                       help="bench model: comma list of variants")):
+                                       help="bench model: comma list of variants (also kernelkit-always, "
+                                            "kernelkit-always+compile: every switch forced to kernelkit)")):
     """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors.
 
     `kernelkit bench model` times a Hugging Face causal LM instead: one training step and one prefill per

@@ -124,7 +124,8 @@ class Site:
 
 
 _SITES: list[Site] = []
-_memory: dict[str, Choice] = {}
+_memory: dict[str, Choice] = {}  # by switch, original path and key: shared by every patched model
+_fast: dict[tuple, Choice] = {}  # by (site token, key): what a site already recorded
 
 
 def _cache_key(kind: str, key: tuple, original: str) -> str:
@@ -134,6 +135,9 @@ def _cache_key(kind: str, key: tuple, original: str) -> str:
 @torch._dynamo.assume_constant_result
 def decide(token: int, key: tuple) -> bool:
     """The choice at `key` for the site `token`, from memory, disk or a measurement; recorded in the report."""
+    choice = _fast.get((token, key))
+    if choice is not None:  # the eager path's per-call cost: one dict lookup
+        return choice.use_kernelkit
     site = _SITES[token]
     m = site.modes.get(site.kind, "auto")
     ck = _cache_key(site.kind, key, site.original)
@@ -157,6 +161,7 @@ def decide(token: int, key: tuple) -> bool:
         _memory[ck] = choice
     if site.report is not None:
         site.report.chose(choice)
+    _fast[(token, key)] = choice
     return choice.use_kernelkit
 
 
@@ -279,6 +284,7 @@ def _to_disk(ck: str, choice: Choice) -> None:
 def forget() -> None:
     """Drop the decisions kept in memory (tests; the disk file stays)."""
     _memory.clear()
+    _fast.clear()
 
 
 def needs_grad(*tensors) -> bool:

@@ -22,13 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile")
+# kernelkit: each switch runs kernelkit only where measured faster than the model's code (the default);
+# kernelkit-always: every switch forced to kernelkit.
+VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile", "kernelkit-always",
+            "kernelkit-always+compile")
 
 # Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
 LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
              max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu")
-EXAMPLES = {"llama": LLAMA}
+# Llama-3.2-1B's (hidden 2048, MLP 8192, 32 heads of 64, 8 KV heads, tied embeddings).
+LLAMA_1B = dict(LLAMA, hidden_size=2048, intermediate_size=8192, head_dim=64, tie_word_embeddings=True)
+EXAMPLES = {"llama": LLAMA, "llama-1b": LLAMA_1B}
 
 
 def build_config(example: str | None, config_path: str | None, layers: int | None, seq: int):
@@ -86,7 +91,12 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     if variant.startswith("kernelkit"):
         from ..patch import patch  # transformers' model classes, loaded with the variant that needs them
 
-        report = patch(model)
+        if "always" in variant:
+            report = patch(model, rms_norm="kernelkit", mlp="kernelkit", rope="kernelkit", attention="kernelkit",
+                           cross_entropy="kernelkit", moe="kernelkit")
+        else:
+            report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
+                           moe="auto")
     run = torch.compile(model) if variant.endswith("compile") else model
 
     def step():
