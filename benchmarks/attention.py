@@ -140,6 +140,8 @@ def only(kind, t):
 def tma(on):
     saved = tiles.USE_TMA
     tiles.USE_TMA = on
+    if on:  # the launcher sets the descriptors' scratch allocator only where it chooses TMA itself
+        runtime.ensure_tma_allocator()
     try:
         yield
     finally:

@@ -31,6 +31,11 @@ DECODE_MAX_SEQ_Q = 16
 DECODE_MIN_SEQ_K = 128
 # Most query rows (group heads x queries) one decode program holds, per BLOCK_D (registers).
 DECODE_MAX_ROWS_X_D = 8192
+# Up to this many keys the main kernel loads tiles through pointers: each program makes its tensor descriptors
+# in global memory (a write and a fence per descriptor), which short rows do not amortize. H100, 16k tokens,
+# seq 1024 (benchmarks/experiments/h100/2026-11-25-attention-tuning): pointers 9-27% faster at d64/d128,
+# causal or not; longer sequences were not measured on pointers and keep the descriptors.
+POINTER_MAX_SEQ_K = 1024
 
 
 @triton.jit
@@ -64,8 +69,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, hk, lo, hi, offs_m, seqlen_k, shi
 
 
 _FWD_CONFIGS, _FWD_PRUNE = tile_configs({
+    # (128, 128, 4, 3): the sweep's fastest at d64 s4096 causal, s16384 and s16384 causal (1-3% over the next).
     64: [(128, 128, 8, 3), (128, 128, 8, 3, True), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3),
-         (128, 64, 8, 3), (128, 64, 8, 4, True), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)],
+         (128, 64, 8, 3), (128, 64, 8, 4, True), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3)],
     128: [(128, 128, 8, 3), (128, 128, 8, 3, True), (128, 128, 8, 2), (128, 128, 8, 2, True), (128, 64, 8, 3),
           (128, 64, 8, 3, True), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
@@ -324,12 +330,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return o, lse.fill_(float("-inf"))
     if seq_k == 0 and not varlen:
         return o.zero_(), lse.fill_(float("-inf"))
-    tma = use_tma(q, k, v, o, varlen=varlen)
+    decode = (not varlen and seq_q <= DECODE_MAX_SEQ_Q and seq_k >= DECODE_MIN_SEQ_K
+              and seq_q * block_d(d) <= DECODE_MAX_ROWS_X_D)
+    tma = use_tma(q, k, v, o, varlen=varlen, prefer_pointers=not decode and seq_k <= POINTER_MAX_SEQ_K)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), HAS_WINDOW=window is not None,
                   HAS_SOFTCAP=softcap is not None, USE_TMA=tma)
     score = (*_score_args(scale, softcap), window or 0)
-    if (not varlen and seq_q <= DECODE_MAX_SEQ_Q and seq_k >= DECODE_MIN_SEQ_K
-            and seq_q * block_d(d) <= DECODE_MAX_ROWS_X_D):
+    if decode:
         _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common)
         return o, lse
     sq_, sk_, lq = row_strides(q, varlen), row_strides(k, varlen), lse.stride()

@@ -195,11 +195,13 @@ def tma_compatible(tensors, varlen: bool) -> bool:
     return True
 
 
-def use_tma(*tensors: torch.Tensor, varlen: bool = False) -> bool:
-    """Tensor descriptors on sm_90+ when `tma_compatible`; USE_TMA overrides (tests)."""
+def use_tma(*tensors: torch.Tensor, varlen: bool = False, prefer_pointers: bool = False) -> bool:
+    """Tensor descriptors on sm_90+ when `tma_compatible`, unless the caller measured the pointer path faster
+    at this shape (`prefer_pointers`); USE_TMA overrides both (tests)."""
     if USE_TMA is not None:
         return USE_TMA
-    if interpreting() or not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if prefer_pointers or interpreting() or not tensors[0].is_cuda \
+            or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
     ok = tma_compatible(tensors, varlen)
     if ok:
