@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -15,9 +16,23 @@ def _name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
+def not_dtensor(x, name: str) -> None:
+    """Refuse a torch.distributed DTensor: a Triton kernel reads its local shard's storage as if it were the whole
+    tensor, which would be a silently wrong result. Free when torch.distributed.tensor was never imported (then no
+    DTensor exists), one isinstance otherwise."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and isinstance(x, dt.DTensor):
+        raise TypeError(f"{name} is a DTensor (placements {tuple(x.placements)}); kernelkit's kernels take plain "
+                        f"tensors: run the op on its local shards (x.to_local(), when the op is local along "
+                        f"the sharded dim) or use a parallel plan that gives the op replicated/local inputs "
+                        f"(use_local_output=True, no SequenceParallel on the modules kernelkit replaced)")
+
+
 def tensor(x, name: str, dtypes=FLOAT_DTYPES, min_dim: int = 0) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:  # the common cases skip the lookup
+        not_dtensor(x, name)
     if x.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {_name(x.dtype)}; supported: {', '.join(map(_name, dtypes))}")
     if x.dim() < min_dim:
