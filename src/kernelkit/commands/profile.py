@@ -68,6 +68,9 @@ def profile_command(
     patch: bool = typer.Option(False, "--patch", help="then profile under kernelkit.patch (all of it, then each "
                                "switch alone) and set each projection against the time it saved (GPU only; a "
                                "Hugging Face model: --example llama becomes hf-llama)"),
+    measure_overhead: bool = typer.Option(True, help="where the timeline shows launch overhead, time the step "
+                                          "without the profiler and in CUDA graphs, and report the measured "
+                                          "saving beside the projected one (GPU only)"),
     time_kernels: bool = typer.Option(True, help="time kernelkit's kernels at the model's shapes for the "
                                       "projections (GPU only; else the benchmark tables or 90% of the roof)"),
 ):
@@ -128,6 +131,17 @@ def profile_command(
     th = Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes, overhead_pct=overhead)
     rep = analyze(trace, ceilings, th)
     rep.trace = trace
+    if measured and rep.overhead.get("bound") and measure_overhead:
+        from ..profile.findings import findings
+        from ..profile.overhead import combine, measure_overhead as time_overhead
+
+        try:
+            timed = time_overhead(model, inputs, backward=backward,
+                                  progress=lambda text: err.print(text, highlight=False))
+        except Exception as e:
+            timed = {"graph_errors": [f"timing the step without the profiler failed: {_why(e)}"]}
+        rep.overhead = combine(rep.overhead, timed)
+        rep.findings = findings(rep, th)
     if not json_only:
         print_report(rep, console, top=top)
     after = None

@@ -66,7 +66,9 @@ def findings(rep: "Report", th: "Thresholds") -> list[str]:
                        f"{c['bytes_today'] / 1e6:.1f} MB); "
                        f"saving {c['saving_ms']:.3f} ms/step{rec}")
     o = rep.overhead
-    if o.get("bound"):
+    if o.get("bound") and "plain_ms" in o:
+        out.append(measured_overhead(o))
+    elif o.get("bound"):
         what = "launch floors take" if o["predicted"] else "the GPU idles between kernels for"
         out.append(f"launch overhead: {what} {o['idle_pct']:.0f}% of the step "
                    f"({o['kernels_per_step']:.0f} kernels/step); "
@@ -76,3 +78,20 @@ def findings(rep: "Report", th: "Thresholds") -> list[str]:
     if un >= 5.0:
         out.append(f"{un:.0f}% of GPU time ran outside any recorded op (top: {rep.unattributed[0]['what']})")
     return out
+
+
+def measured_overhead(o: dict) -> str:
+    """The overhead finding in words, once `overhead.combine` has put the measured figures in."""
+    text = (f"launch overhead: under the profiler the GPU idles between kernels for {o['idle_pct']:.0f}% of the "
+            f"step ({o['kernels_per_step']:.0f} kernels/step, {o['wall_ms']:.1f} ms profiled); without it the step "
+            f"takes {o['plain_ms']:.1f} ms, so the profiler itself adds {o['profiler_ms']:.1f} ms and the model's "
+            f"own idle time is {o['unprofiled_idle_ms']:.1f} ms ({o['unprofiled_idle_pct']:.0f}%): CUDA graphs "
+            f"would recover about {o['projected_gain_ms']:.1f} ms/step")
+    if "measured_gain_ms" in o:
+        text += (f"; measured with {o['graph_method']}: {o['graph_ms']:.1f} ms, a saving of "
+                 f"{o['measured_gain_ms']:.1f} ms/step ({o['measured_gain_pct']:.0f}%)")
+        if o["measured_gain_pct"] < 5.0:
+            text += " - not worth graphs for this step; the idle time the profiler shows is mostly its own"
+    else:
+        text += "; graphs could not be measured (" + "; ".join(o.get("graph_errors", [])) + ")"
+    return text
