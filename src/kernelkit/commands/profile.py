@@ -153,6 +153,21 @@ def profile_command(
                                                 progress=lambda label: err.print(f"profiling {label}", highlight=False))
         except Exception as e:
             fail(f"profiling {what} under kernelkit.patch failed: {_why(e)}")
+        if measured and after.overhead.get("bound") and measure_overhead:
+            from ..patch import patch as kpatch, unpatch
+            from ..profile.findings import findings
+            from ..profile.overhead import combine, measure_overhead as time_overhead
+
+            kpatch(model)
+            try:
+                timed = time_overhead(model, inputs, backward=backward,
+                                      progress=lambda text: err.print(f"{text} (patched)", highlight=False))
+            except Exception as e:
+                timed = {"graph_errors": [f"timing the step without the profiler failed: {_why(e)}"]}
+            finally:
+                unpatch(model)
+            after.overhead = combine(after.overhead, timed)
+            after.findings = findings(after, th)
         if not json_only:
             print_patch_comparison(rep.patch, console)
             print_report(after, console, top=top, title="under kernelkit.patch(model)")

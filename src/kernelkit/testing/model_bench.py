@@ -24,8 +24,9 @@ from pathlib import Path
 
 # kernelkit: each switch runs kernelkit only where measured faster than the model's code (the default);
 # kernelkit-always: every switch forced to kernelkit.
+# ...+compile-ro: torch.compile(mode="reduce-overhead"), CUDA graphs around the compiled regions.
 VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile", "kernelkit-always",
-            "kernelkit-always+compile")
+            "kernelkit-always+compile", "torch.compile-ro", "kernelkit+compile-ro")
 
 # Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
 LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -97,9 +98,12 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
         else:
             report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
                            moe="auto")
-    run = torch.compile(model) if variant.endswith("compile") else model
+    run = torch.compile(model) if variant.endswith("compile") else \
+        torch.compile(model, mode="reduce-overhead") if variant.endswith("compile-ro") else model
 
     def step():
+        if variant.endswith("compile-ro"):
+            torch.compiler.cudagraph_mark_step_begin()  # each step's outputs may overwrite the last's
         out = run(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss
