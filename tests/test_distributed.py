@@ -204,8 +204,8 @@ def check_ops_refuse_dtensor(rank, world, device, ckpt_dir):
 
     mesh = kkdist.device_mesh()
     g = torch.Generator().manual_seed(7)
-    x, w, b = (torch.randn(s, generator=g).to(device) for s in ((6, 3, 32), (32,), (32,)))
-    tgt = torch.randint(0, 32, (18,), generator=g).to(device)
+    x, w, b = (torch.randn(s, generator=g).to(device) for s in ((8, 3, 32), (32,), (32,)))  # rows: 2, 4, 8 ranks
+    tgt = torch.randint(0, 32, (24,), generator=g).to(device)
     q, k = (torch.randn(s, generator=g).to(device) for s in ((2, 5, 2 * world, 16), (2, 5, world, 16)))
     cos, sin = (torch.randn((2, 5, 16), generator=g).to(device) for _ in range(2))
     lin_w = torch.randn((24, 32), generator=g).to(device)
@@ -227,9 +227,9 @@ def check_ops_refuse_dtensor(rank, world, device, ckpt_dir):
                     lambda: kernelkit.softmax(dt(x).to_local()), lambda: shard(kernelkit.softmax(x))),
         "swiglu": (lambda: kernelkit.swiglu(dt(x, 2), dt(x, 2)), "gate",
                    lambda: kernelkit.swiglu(dt(x, 2).to_local(), dt(x, 2).to_local()), lambda: shard(kernelkit.swiglu(x, x), 2)),
-        "cross_entropy": (lambda: kernelkit.cross_entropy(dt(x.view(18, 32)), tgt, reduction="none"), "logits",
-                          lambda: kernelkit.cross_entropy(dt(x.view(18, 32)).to_local(), shard(tgt), reduction="none"),
-                          lambda: shard(kernelkit.cross_entropy(x.view(18, 32), tgt, reduction="none"))),
+        "cross_entropy": (lambda: kernelkit.cross_entropy(dt(x.view(24, 32)), tgt, reduction="none"), "logits",
+                          lambda: kernelkit.cross_entropy(dt(x.view(24, 32)).to_local(), shard(tgt), reduction="none"),
+                          lambda: shard(kernelkit.cross_entropy(x.view(24, 32), tgt, reduction="none"))),
         "rope": (lambda: kernelkit.rope(dt(q, 2), dt(k, 2), cos, sin), "q",
                  lambda: torch.cat(kernelkit.rope(dt(q, 2).to_local(), dt(k, 2).to_local(), cos, sin), 2),
                  lambda: torch.cat([shard(t, 2) for t in kernelkit.rope(q, k, cos, sin)], 2)),

@@ -13,7 +13,7 @@ from kernelkit.testing import results
 from tests.conftest import INTERPRET
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TESTED = {"gpu_check.sh", "host_time.py", "results_table.py"}
+TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py"}
 
 
 def run_script(name: str, *argv: str) -> int:
@@ -39,6 +39,17 @@ def test_gpu_check_parses_and_every_script_it_runs_exists():
     paths = set(re.findall(r"\b((?:scripts|benchmarks)/[\w./-]+\.py)\b", text))
     assert "scripts/host_time.py" in paths and "benchmarks/gemm.py" in paths
     assert [p for p in sorted(paths) if not (SCRIPTS.parent / p).is_file()] == []
+
+
+def test_multi_gpu_check_parses_and_its_modules_exist():
+    """Its torchrun modules; the checks themselves run on CPU in tests/test_distributed.py."""
+    subprocess.run(["bash", "-n", str(SCRIPTS / "multi_gpu_check.sh")], check=True)
+    text = (SCRIPTS / "multi_gpu_check.sh").read_text()
+    modules = set(re.findall(r"-m ((?:tests|kernelkit)\.[\w.]+)", text))
+    assert modules == {"tests.test_distributed", "kernelkit.testing.distributed"}
+    for m in modules:
+        path = SCRIPTS.parent / ("src/" if m.startswith("kernelkit") else "") / (m.replace(".", "/") + ".py")
+        assert path.is_file(), m
 
 
 def _row(impl, metric, value, unit, shape="16384x4096", timestamp="2026-11-23T12:00:00Z", op="rms_norm"):
