@@ -23,7 +23,7 @@ def not_dtensor(x, name: str) -> None:
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is not None and isinstance(x, dt.DTensor):
         raise TypeError(f"{name} is a DTensor (placements {tuple(x.placements)}); kernelkit's kernels take plain "
-                        f"tensors: run the op on its local shards (x.to_local(), when the op is local along "
+                        f"tensors: run the op on its local shards ({name}.to_local(), when the op is local along "
                         f"the sharded dim) or use a parallel plan that gives the op replicated/local inputs "
                         f"(use_local_output=True, no SequenceParallel on the modules kernelkit replaced)")
 
