@@ -216,3 +216,28 @@ def test_real_measurement_on_the_gpu(tmp_path, monkeypatch):
     assert {c.source for c in report2.choices.values()} == {"cache"}
     assert {(c.kind, c.shape, c.use_kernelkit) for c in report2.choices.values()} == \
         {(c.kind, c.shape, c.use_kernelkit) for c in report.choices.values()}
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "mixtral"])
+def test_every_trial_runs(family, monkeypatch):
+    """The real measurement path on the CPU (interpreter kernels, host clock): every switch's trial is built
+    at the call's key and both of its paths run forward and backward, for families whose originals differ
+    (softcapped eager attention and loss, fused gate-up and partial rotary, MoE experts, 4-D q/k norms); the
+    patched step then agrees with the unpatched one whichever paths won."""
+    monkeypatch.setattr(choose, "can_measure", lambda: True)
+    for name, value in (("BUDGET_MS", 0.0), ("MIN_REPS", 1), ("WARMUP", 0)):  # one timed call: the interpreter is slow
+        monkeypatch.setattr(choose, name, value)
+    model = tiny_model(family, dtype=torch.bfloat16, layers=1, attn="sdpa" if family != "gemma2" else "eager")
+    ref = copy.deepcopy(model)
+    report = patch(model)
+    model.train(), ref.train()
+    ids, labels = batch()
+    got, want = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
+    got.backward()
+    kinds = {c.kind for c in report.choices.values()}
+    expected = {"rms_norm", "rope", "attention", "cross_entropy", "moe" if family == "mixtral" else "mlp"}
+    assert kinds == expected, report.choices
+    assert all(c.source == "measured" and c.kernelkit_ms > 0 and c.original_ms > 0
+               for c in report.choices.values())
+    assert abs(got.item() - want.item()) <= 2e-2 * abs(want.item())

@@ -158,6 +158,10 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           batch: int = typer.Option(4, help="bench model: sequences per step"),
           seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
           steps: int = typer.Option(5, min=1, help="bench model: timed steps per variant (the median is reported)"),
+          nproc: int = typer.Option(1, min=1, help="bench model: GPUs of this host; above 1, the FSDP2 training step "
+                                                   "(kernelkit.patch vs unpatched, AdamW) under torchrun on N GPUs and "
+                                                   "on one: tokens/s per GPU and in total, scaling efficiency, peak "
+                                                   "memory per rank (Llama-3-8B layer shapes)"),
           variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
                                        help="bench model: comma list of variants (also kernelkit-always, "
                                             "kernelkit-always+compile: every switch forced to kernelkit)")):
@@ -174,6 +178,22 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
         if not torch.cuda.is_available():
             console.print("[red]kernelkit bench model needs a CUDA GPU[/].")
             raise typer.Exit(2)
+        if nproc > 1:
+            from ..testing.distributed import run_nproc
+
+            try:
+                with console.status("") as status:
+                    doc = run_nproc(nproc, layers or 2, batch, seq, steps, out,
+                                    progress=lambda v: status.update(f"[bold]bench model --nproc {nproc}[/]: {v}"))
+            except (ValueError, RuntimeError) as e:
+                console.print(f"[red]kernelkit bench model --nproc {nproc}:[/] {e}")
+                raise typer.Exit(2)
+            for r in doc["rows"]:
+                console.print(f"{r['world_size']} GPU(s)  {r['variant']:<16} {r['step_ms']:8.1f} ms/step  "
+                              f"{r['tokens_per_s_per_gpu']:10.0f} tok/s/GPU  {r['tokens_per_s_total']:10.0f} tok/s  "
+                              f"scaling {r['scaling_efficiency']:.2f}  peak {max(r['peak_gib_per_rank']):.1f} GiB/rank")
+            console.print(f"wrote {out / 'model-nproc.json'}")
+            return
         chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
         bad = [v for v in chosen if v not in VARIANTS]
         if bad:

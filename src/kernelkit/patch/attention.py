@@ -38,6 +38,7 @@ import torch
 from ..ops.attention import attention
 from ..runtime import interpreting
 from . import choose
+from .modules import DTENSOR_REASON, any_dtensor
 
 NAME = "kernelkit"
 # What kernelkit.ops.attention.attention takes (its validate() raises otherwise): calls outside fall back.
@@ -121,6 +122,8 @@ def _unsupported(module, query, key, value, mask, dropout, sliding_window, causa
     """Why this call cannot run on the kernel exactly, or None."""
     if _wants_weights(module, kwargs):
         return "output_attentions"
+    if any_dtensor(query, key, value, mask):
+        return DTENSOR_REASON
     if dropout:
         return "attention dropout"
     if not (query.is_cuda or interpreting()):
@@ -320,7 +323,7 @@ def _eager_on_empty_rows(o, eager, module, query, key, value, empty, scaling, sl
 
 def _trial(module, key) -> choose.Trial:
     b, hq, hk, sq, sk, d, dtype, causal, sliding_window, softcap, scaling, padded, grad = key
-    dt, dev = getattr(torch, dtype), torch.device("cuda", torch.cuda.current_device())
+    dt, dev = getattr(torch, dtype), choose.device()
     g = choose.generator(dev)
     q = choose.randn((b, hq, sq, d), dt, dev, g, grad)
     k, v = (choose.randn((b, hk, sk, d), dt, dev, g, grad) for _ in range(2))

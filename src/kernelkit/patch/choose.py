@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from ..runtime import cache, interpreting
 MODES = ("auto", "kernelkit")
 # Per-path measuring budget: reps are added until a path has run this long (at least MIN_REPS, at most MAX_REPS).
 BUDGET_MS, MIN_REPS, MAX_REPS = 30.0, 3, 25
+WARMUP = 2  # untimed calls of each path first (they compile and tune)
 # The unfused loss's logits may take at most this share of the free memory to be measured; beyond, kernelkit's
 # fused loss (which never materializes them) is chosen without timing the original.
 LOGITS_SHARE = 0.4
@@ -177,7 +179,8 @@ def can_measure() -> bool:
 def _measure_choice(site: Site, key: tuple, shape: str) -> Choice:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=cuda):
         trial = site.build(site.owner(), key)
         if trial is None:  # the builder decided without timing (the original would not fit in memory)
             return Choice(site.kind, shape, site.original, True, "memory")
@@ -197,6 +200,25 @@ def _run(fn: Callable, wrt: list, grads: dict, name: str) -> None:
     torch.autograd.grad(outs, wrt, grads[name], allow_unused=True)
 
 
+def device() -> torch.device:
+    """Where trials run: the current CUDA device (the CPU when there is none: the interpreter's tests)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _timed(fn: Callable) -> float:
+    """ms of one call: CUDA events on a GPU, the host clock on the CPU."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def measure(trial: Trial) -> tuple[float, float]:
     """Median ms per call (forward, and backward when `trial.wrt`) of kernelkit's path and the original's,
     alternating rep by rep after a warm-up of each (which compiles and tunes). A path that runs out of
@@ -208,22 +230,16 @@ def measure(trial: Trial) -> tuple[float, float]:
     with torch.enable_grad() if trial.wrt else torch.no_grad():
         for name, fn in paths.items():
             try:
-                _run(fn, trial.wrt, grads, name)
-                _run(fn, trial.wrt, grads, name)
+                for _ in range(WARMUP):
+                    _run(fn, trial.wrt, grads, name)
             except torch.OutOfMemoryError:
                 dead.add(name)
-        torch.cuda.synchronize()
         reps = MIN_REPS
         for i in range(MAX_REPS):
             for name, fn in paths.items():
                 if name in dead:
                     continue
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                _run(fn, trial.wrt, grads, name)
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
+                times[name].append(_timed(lambda: _run(fn, trial.wrt, grads, name)))
             if i == 0:
                 slowest = max([t[0] for t in times.values() if t] or [BUDGET_MS])
                 reps = max(MIN_REPS, min(MAX_REPS, int(BUDGET_MS / max(slowest, 1e-3))))

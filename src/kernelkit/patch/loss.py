@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from . import choose
-from .modules import CPU_REASON, runs_kernels
+from .modules import CPU_REASON, DTENSOR_REASON, any_dtensor, runs_kernels
 from .report import PatchReport
 
 
@@ -64,6 +64,8 @@ def causal_lm_forward(self, *args, **kwargs):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     reason = _plain_linear(self.lm_head)
+    if reason is None and any_dtensor(self.lm_head.weight):
+        reason = DTENSOR_REASON
     if reason is None:
         reason = (CPU_REASON if not runs_kernels(self.lm_head.weight) else
                   "custom loss_function" if self.loss_function is not ForCausalLMLoss else None)
@@ -89,7 +91,7 @@ def _loss_trial(model, key):
     head = model.lm_head
     dev, dt = head.weight.device, getattr(torch, dtype)
     logits_bytes = tokens * vocab * (dt.itemsize + 4 + 4)  # logits, their fp32 copy, its gradient
-    if logits_bytes > choose.LOGITS_SHARE * torch.cuda.mem_get_info(dev)[0]:
+    if dev.type == "cuda" and logits_bytes > choose.LOGITS_SHARE * torch.cuda.mem_get_info(dev)[0]:
         return None
     g = choose.generator(dev)
     h = choose.randn((tokens, hidden), dt, dev, g, grad)

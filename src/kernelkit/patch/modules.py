@@ -11,6 +11,7 @@ counted in the report.
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +34,15 @@ def runs_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or interpreting()
 
 
+DTENSOR_REASON = "DTensor input (a tensor-parallel plan hands this module sharded tensors; kernelkit takes plain ones)"
+
+
+def any_dtensor(*tensors) -> bool:
+    """Whether any argument is a torch.distributed DTensor (free when torch.distributed.tensor was never imported)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and any(isinstance(t, dt.DTensor) for t in tensors)
+
+
 # --- RMSNorm ---
 
 @dataclass
@@ -46,9 +56,10 @@ class NormSettings:
 def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     kk: NormSettings = self._kernelkit
     w = self.weight
-    if not runs_kernels(x) or w.dtype != x.dtype:
+    if not runs_kernels(x) or w.dtype != x.dtype or any_dtensor(x, w):
         # Llama multiplies in the weight's dtype and promotes; Gemma rounds to x's: only equal dtypes agree.
-        kk.report.fell_back("rms_norm", CPU_REASON if not runs_kernels(x) else "weight dtype differs from input")
+        kk.report.fell_back("rms_norm", CPU_REASON if not runs_kernels(x) else DTENSOR_REASON if any_dtensor(x, w)
+                            else "weight dtype differs from input")
         return type(self).forward(self, x)
     key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype), choose.needs_grad(x, w))
     if kk.token is not None and not choose.decide(kk.token, key):
@@ -108,8 +119,10 @@ class MLPSettings:
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     kk: MLPSettings = self._kernelkit
-    if not runs_kernels(x):
-        kk.report.fell_back("mlp", CPU_REASON)
+    # Sharded projection weights are fine: the local-output plan hands the glu local tensors (a plan that does
+    # not makes the glu op refuse its DTensor arguments by name).
+    if not runs_kernels(x) or any_dtensor(x):
+        kk.report.fell_back("mlp", CPU_REASON if not runs_kernels(x) else DTENSOR_REASON)
         return type(self).forward(self, x)
     key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype),
            choose.needs_grad(x, *self.parameters()))
@@ -161,8 +174,10 @@ _ROPES: dict[int, tuple[Callable, PatchReport, bool]] = {}
 
 def _rope_call(token: int, q, k, cos, sin, unsqueeze_dim):
     original, report, choosing = _ROPES[token]
-    if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad:
-        report.fell_back("rope", CPU_REASON if not runs_kernels(q) else "cos/sin not per-token (B, S, D)")
+    if not runs_kernels(q) or unsqueeze_dim not in (1, 2) or cos.dim() != 3 or cos.requires_grad \
+            or any_dtensor(q, k, cos, sin):
+        report.fell_back("rope", CPU_REASON if not runs_kernels(q) else DTENSOR_REASON if any_dtensor(q, k, cos, sin)
+                         else "cos/sin not per-token (B, S, D)")
         return original(q, k, cos, sin, unsqueeze_dim)
     h_dim, s_dim = (1, 2) if unsqueeze_dim == 1 else (2, 1)
     key = (choose.bucket(q.shape[0]), q.shape[h_dim], k.shape[h_dim], choose.bucket(q.shape[s_dim]), q.shape[3],
@@ -174,7 +189,7 @@ def _rope_call(token: int, q, k, cos, sin, unsqueeze_dim):
 
 def _rope_trial(original, key) -> choose.Trial:
     b, hq, hk, seq, d, rot, dim, dtype, grad = key
-    dt, dev = getattr(torch, dtype), torch.device("cuda", torch.cuda.current_device())
+    dt, dev = getattr(torch, dtype), choose.device()
     g = choose.generator(dev)
     q, k = ((b, h, seq, d) if dim == 1 else (b, seq, h, d) for h in (hq, hk))
     q, k = choose.randn(q, dt, dev, g, grad), choose.randn(k, dt, dev, g, grad)
@@ -256,6 +271,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     reason = None
     if not runs_kernels(hidden_states):
         reason = CPU_REASON
+    elif any_dtensor(hidden_states, top_k_index, top_k_weights, gate_up, down):
+        reason = DTENSOR_REASON
     elif hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         reason = "hidden_states not (tokens, hidden) or routing not (tokens, k)"
     elif hidden_states.dtype not in MOE_DTYPES or gate_up.dtype != hidden_states.dtype \

@@ -233,5 +233,44 @@ def bench_main(argv=None) -> None:
         dist.destroy_process_group()
 
 
+def run_nproc(nproc: int, layers: int = 2, batch: int = 1, seq: int = 2048, steps: int = 5, out: Path | None = None,
+              progress=None, timeout: float = 1800.0) -> dict:
+    """`kernelkit bench model --nproc N`: the FSDP2 comparison under torchrun on N GPUs of this host, and on one
+    GPU for the scaling efficiency (tokens/s per GPU on N over tokens/s on 1), each in its own torchrun."""
+    import subprocess
+    import sys
+    import tempfile
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    have = torch.cuda.device_count()
+    if nproc > have:
+        raise ValueError(f"nproc={nproc} but this host has {have} CUDA GPU(s)")
+    docs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sorted({1, nproc}):
+            if progress:
+                progress(f"FSDP2 on {n} GPU(s), torchrun")
+            path = os.path.join(tmp, f"n{n}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                   "-m", "kernelkit.testing.distributed", "--layers", str(layers), "--batch", str(batch),
+                   "--seq", str(seq), "--steps", str(steps), "--out", path]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0 or not os.path.exists(path):
+                raise RuntimeError(f"torchrun on {n} GPU(s) failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+            docs[n] = json.loads(Path(path).read_text())
+    rows = []
+    for n, doc in sorted(docs.items()):
+        for r in doc["rows"]:
+            one = next(x for x in docs[1]["rows"] if x["variant"] == r["variant"])
+            rows.append({**r, "tokens_per_s_total": round(r["tokens_per_s_per_gpu"] * n, 1),
+                         "scaling_efficiency": round(r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"], 3)})
+    result = {"gpu": docs[nproc]["gpu"], "torch": docs[nproc]["torch"], "nproc": nproc, "rows": rows}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model-nproc.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 if __name__ == "__main__":
     bench_main()
