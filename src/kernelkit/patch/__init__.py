@@ -196,8 +196,33 @@ def _patch_loss(model, fam: Family, report, undo, modes) -> None:
     report.add("cross_entropy", type(model).__name__, "linear_cross_entropy on hidden states (labels, training)", 1)
 
 
+PRECISIONS = ("bf16", "fp8")
+
+
+def _patch_fp8(model, report, undo) -> None:
+    """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings and the LM head
+    keep their dtype."""
+    from .modules import Fp8Settings, fp8_linear_forward
+
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        report.skip("precision='fp8'", "no decoder layers at model.model.layers")
+        return
+    done = 0
+    for layer in layers:
+        for m in layer.modules():
+            if type(m) is torch.nn.Linear and "forward" not in vars(m):
+                _bind(undo, m, fp8_linear_forward, Fp8Settings(report))
+                done += 1
+    report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
+               done)
+    if done:
+        report.note("precision='fp8': the decoder layers' Linear GEMMs run in fp8 (bf16/fp16 masters and gradients); "
+                    "the embeddings and the LM head stay in the model's dtype")
+
+
 def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attention=True, cross_entropy=True,
-          moe=True, swiglu=None) -> PatchReport:
+          moe=True, swiglu=None, precision: str = "bf16") -> PatchReport:
     """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
 
     Switches: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias), `rope`, `attention`,
@@ -207,12 +232,17 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
       ran before, per shape, dtype and GPU (the first call at a new shape times both; `patch.choose`);
     - "kernelkit": kernelkit at every shape, unmeasured;
     - False: the switch is off (the model's own code everywhere).
+    `precision="fp8"` also runs every nn.Linear of the decoder layers in fp8 (forward and both backward GEMMs,
+    e4m3 with rowwise scales, `kernelkit.ops.fp8_linear`); a call fp8 cannot take (no fp8 tensor cores, dims
+    not multiples of 16, fp32) stays in its dtype, counted in the report. "bf16" (the default) leaves them.
     The report's `choices` say, per switch and shape, which path runs and the measured ratio. Families:
     see `kernelkit.patch.families.FAMILIES`. Raises ValueError for a model of no known family, one
     already patched, or a switch value not in the list above.
     """
     from .choose import mode
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"kernelkit.patch: precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
     if swiglu is not None:
         mlp = swiglu
     modes = {kind: mode(name, value) for kind, name, value in (
@@ -229,6 +259,8 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
         for kind, step in steps.items():
             if modes[kind] is not None:
                 step(model, fam, report, undo, modes)
+        if precision == "fp8":
+            _patch_fp8(model, report, undo)
     except BaseException:
         undo.restore()
         raise

@@ -21,6 +21,7 @@ import torch
 from ..runtime import interpreting
 from ..ops import glu
 from . import choose
+from ..ops.fp8_linear import fp8_linear, unsupported as fp8_unsupported
 from ..ops.moe import moe_experts
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope
@@ -340,3 +341,23 @@ def experts_settings(block: torch.nn.Module, activations: dict, report: PatchRep
     if "forward" in vars(experts):
         return "experts forward already replaced"
     return ExpertsSettings(report)
+
+
+# --- fp8 training of the decoder layers' nn.Linear modules (kernelkit.patch(model, precision="fp8")) ---
+
+@dataclass
+class Fp8Settings:
+    report: PatchReport
+
+
+def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Bound to an nn.Linear: its GEMMs in fp8 (`ops.fp8_linear`), or in its dtype where fp8 cannot take the
+    call (counted in the report with the reason)."""
+    kk: Fp8Settings = self._kernelkit
+    why = fp8_unsupported(x, self.weight)
+    if why is None and any_dtensor(x, self.weight):
+        why = DTENSOR_REASON
+    if why is not None:
+        kk.report.fell_back("fp8", why)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return fp8_linear(x, self.weight, self.bias)

@@ -1,0 +1,117 @@
+"""fp8_linear (forward and both backward GEMMs in e4m3, rowwise scales) and kernelkit.patch(model,
+precision="fp8"). Each GEMM is checked against float64 of its own quantized operands (exact up to the
+output's rounding), and against float64 of the unquantized ones (fp8's own error, a few percent)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernelkit.ops.fp8_linear import fp8_linear, unsupported
+from kernelkit.ops.gemm.fp8 import quantize_cols_t_reference, quantize_rows_reference
+from kernelkit.runtime import interpreting
+
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                   reason="kernel tests need a GPU or TRITON_INTERPRET=1")
+
+
+def _deq_rows(t):
+    q, s = quantize_rows_reference(t)
+    return q.double() * s.double()[:, None]
+
+
+def _deq_cols(t):  # the column quantization of t, back in t's layout
+    q, s = quantize_cols_t_reference(t)
+    return (q.double() * s.double()[:, None]).T
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_each_gemm_against_float64(device, dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    T, K, N = 40, 48, 32  # tokens not a multiple of 16
+    x = torch.randn(2, T // 2, K, generator=g).to(device, dtype).requires_grad_()
+    w = (0.1 * torch.randn(N, K, generator=g)).to(device, dtype).requires_grad_()
+    b = torch.randn(N, generator=g).to(device, dtype).requires_grad_() if bias else None
+    y = fp8_linear(x, w, b)
+    assert y.shape == (2, T // 2, N) and y.dtype == dtype
+    dy = torch.randn(y.shape, generator=g).to(device, dtype)
+    y.backward(dy)
+    x2, dy2 = x.detach().reshape(-1, K), dy.reshape(-1, N)
+    bias64 = b.detach().double() if bias else 0.0
+    # against the quantized operands: only the output's rounding (and fp32 accumulation) is left
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert _rel(y.detach().reshape(-1, N), _deq_rows(x2) @ _deq_rows(w.detach()).T + bias64) < tol
+    assert _rel(x.grad.reshape(-1, K), _deq_rows(dy2) @ _deq_cols(w.detach())) < tol
+    assert _rel(w.grad, _deq_cols(dy2).T @ _deq_cols(x2)) < tol
+    # against float64 of the unquantized operands: fp8's own error
+    xd, wd, dyd = x2.double(), w.detach().double(), dy2.double()
+    assert _rel(y.detach().reshape(-1, N), xd @ wd.T + bias64) < 0.06
+    assert _rel(x.grad.reshape(-1, K), dyd @ wd) < 0.06
+    assert _rel(w.grad, dyd.T @ xd) < 0.06
+    if bias:
+        assert _rel(b.grad, dyd.sum(0)) < 1e-2
+
+
+def test_what_fp8_cannot_take():
+    w = torch.zeros(32, 48, dtype=torch.bfloat16)
+    assert "float32" in unsupported(torch.zeros(2, 48), w.float())
+    assert "multiples of 16" in unsupported(torch.zeros(2, 40, dtype=torch.bfloat16), torch.zeros(32, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="features"):
+        fp8_linear(torch.zeros(2, 40, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        fp8_linear(torch.zeros(2, 48, dtype=torch.bfloat16), w, torch.zeros(31, dtype=torch.bfloat16))
+
+
+@needs_kernels
+def test_patch_precision_fp8_trains_close_to_bf16(device):
+    pytest.importorskip("transformers")
+    from kernelkit.patch import patch
+    from tests.test_patch import batch, tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16, device=device, layers=1)
+    ref = copy.deepcopy(model)
+    report = patch(model, precision="fp8", rms_norm=False, mlp=False, rope=False, attention=False,
+                   cross_entropy=False)
+    assert report.count("fp8") == 7  # q, k, v, o, gate, up, down
+    model.train(), ref.train()
+    ids, labels = (t.to(device) for t in batch())
+    got, want = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
+    got.backward(), want.backward()
+    assert abs(got.item() - want.item()) < 0.03 * abs(want.item())
+    w, w_ref = model.model.layers[0].mlp.down_proj.weight.grad, ref.model.layers[0].mlp.down_proj.weight.grad
+    assert _rel(w, w_ref.double()) < 0.2  # fp8 error compounds through the layer (each GEMM alone: above)
+    assert report.fallback_count("fp8") == 0
+    assert model.lm_head.forward.__func__ is torch.nn.Linear.forward  # the LM head stays in bf16
+
+
+@needs_kernels
+def test_patch_fp8_keeps_layers_it_cannot_take(device):
+    pytest.importorskip("transformers")
+    from kernelkit.patch import patch
+    from tests.test_patch import batch, tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16, device=device, layers=1, intermediate_size=72)
+    report = patch(model, precision="fp8", rms_norm=False, mlp=False, rope=False, attention=False,
+                   cross_entropy=False)
+    model(batch()[0].to(device))
+    reasons = [r for (k, r) in report.fallbacks if k == "fp8"]
+    assert reasons == ["in/out features 64/72 are not multiples of 16", "in/out features 72/64 are not multiples of 16"] \
+        or sorted(reasons) == sorted(["in/out features 64/72 are not multiples of 16",
+                                      "in/out features 72/64 are not multiples of 16"])
+
+
+def test_bad_precision_is_refused():
+    pytest.importorskip("transformers")
+    from kernelkit.patch import patch
+    from tests.test_patch import tiny_model
+
+    with pytest.raises(ValueError, match=r"precision='fp4' is not one of 'bf16', 'fp8'"):
+        patch(tiny_model("llama", layers=1), precision="fp4")
