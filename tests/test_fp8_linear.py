@@ -115,3 +115,44 @@ def test_bad_precision_is_refused():
 
     with pytest.raises(ValueError, match=r"precision='fp4' is not one of 'bf16', 'fp8'"):
         patch(tiny_model("llama", layers=1), precision="fp4")
+
+
+@needs_kernels
+def test_quantized_weights_are_kept_until_the_weight_changes(device, monkeypatch):
+    """With a QuantizedWeight the weight is quantized once per change, not per call (gradient accumulation),
+    and the results equal the uncached path's; an in-place write (an optimizer step) invalidates the copies."""
+    import kernelkit.ops.fp8_linear as mod
+
+    calls = {"rows": 0, "cols": 0}
+    rows, cols = mod.quantize_rows, mod.quantize_cols_t
+
+    def counting(kind, fn):
+        def wrapped(t):
+            if t.shape == (32, 48):
+                calls[kind] += 1
+            return fn(t)
+        return wrapped
+
+    monkeypatch.setattr(mod, "quantize_rows", counting("rows", rows))
+    monkeypatch.setattr(mod, "quantize_cols_t", counting("cols", cols))
+    g = torch.Generator().manual_seed(1)
+    w = (0.1 * torch.randn(32, 48, generator=g)).to(device, torch.bfloat16).requires_grad_()
+    xs = [torch.randn(16, 48, generator=g).to(device, torch.bfloat16) for _ in range(3)]
+    cache = mod.QuantizedWeight()
+    kept = [fp8_linear(x.requires_grad_(), w, cache=cache) for x in xs]
+    for y in kept:
+        y.sum().backward()
+    assert calls == {"rows": 1, "cols": 1}  # three micro-batches, one quantization of each kind
+    grad_kept = w.grad.clone()
+    w.grad = None
+    for x in xs:
+        fp8_linear(x, w).sum().backward()
+    assert torch.equal(w.grad, grad_kept)  # the kept copies are the ones a fresh quantization gives
+    with torch.no_grad():
+        w.mul_(1.5)  # an optimizer step
+    before = dict(calls)
+    y_after = fp8_linear(xs[0], w, cache=cache)
+    assert calls["rows"] == before["rows"] + 1
+    assert torch.equal(y_after, fp8_linear(xs[0], w))
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        fp8_linear(xs[0], w, cache={})

@@ -47,6 +47,37 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     return None
 
 
+class QuantizedWeight:
+    """The fp8 copies of one weight, kept while the weight is unchanged: its rows (the forward's operand) and
+    its columns (the dgrad's). With gradient accumulation the weight is quantized once per optimizer step, not
+    once per micro-batch. A copy is reused only while the weight's storage, shape, dtype and version counter
+    are the ones it was made from: an optimizer step or any in-place write through the parameter moves the
+    counter and the next call quantizes again. (A write through `.data` bypasses the counter: call `clear()`
+    after one.) Costs one byte per weight element for each copy kept. Not used under torch.compile."""
+
+    def __init__(self):
+        self._kept: dict[str, tuple] = {}
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def get(self, kind: str, weight: torch.Tensor, quantize):
+        if torch.compiler.is_compiling():
+            return quantize(weight)
+        key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.dtype,
+               weight._version)
+        hit = self._kept.get(kind)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = quantize(weight)
+        self._kept[kind] = (key, value)
+        return value
+
+
+def _weight(kind, weight, cache, quantize):
+    return quantize(weight) if cache is None else cache.get(kind, weight, quantize)
+
+
 def _gemm(a_q, a_s, b_q, b_s, bias, out_dtype):
     """(a_q * a_s[:, None]) @ (b_q * b_s[:, None]).T: both operands K-contiguous, rowwise scales."""
     return scaled_matmul(a_q, b_q.t(), a_s[:, None], b_s[None, :], bias, out_dtype)
@@ -54,11 +85,11 @@ def _gemm(a_q, a_s, b_q, b_s, bias, out_dtype):
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, cache):
         xq, sx = quantize_rows(x)
-        wq, sw = quantize_rows(weight)
+        wq, sw = _weight("rows", weight, cache, quantize_rows)
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.cache = bias is not None, cache
         return _gemm(xq, sx, wq, sw, bias, x.dtype)
 
     @staticmethod
@@ -68,7 +99,7 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             gq, sg = quantize_rows(dy)  # (T, N) per token
-            wtq, swt = quantize_cols_t(weight)  # (K, N) per input channel
+            wtq, swt = _weight("cols", weight, ctx.cache, quantize_cols_t)  # (K, N) per input channel
             dx = _gemm(gq, sg, wtq, swt, None, dy.dtype)
         if ctx.needs_input_grad[1]:
             gtq, sgt = quantize_cols_t(dy)  # (N, T) per output channel
@@ -76,13 +107,15 @@ class _Fp8Linear(torch.autograd.Function):
             dw = _gemm(gtq, sgt, xtq, sxt, None, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               cache: Optional[QuantizedWeight] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the forward and both backward GEMMs in fp8 (module docstring).
 
     x (..., K) and weight (N, K) in bfloat16 or float16 (the same), K and N multiples of 16; bias (N,) or None.
+    cache: a `QuantizedWeight` of this weight, to reuse its fp8 copies until the weight changes.
     Raises ValueError with the reason where `unsupported` gives one."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise TypeError("fp8_linear: x must be a tensor and weight a 2-D (out_features, in_features) tensor")
@@ -97,5 +130,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = _Fp8Linear.apply(x2, weight, bias)
+    if cache is not None and not isinstance(cache, QuantizedWeight):
+        raise TypeError(f"fp8_linear: cache must be a QuantizedWeight or None, got {type(cache).__name__}")
+    y = _Fp8Linear.apply(x2, weight, bias, cache)
     return y.view(*lead, weight.shape[0])

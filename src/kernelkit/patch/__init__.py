@@ -199,9 +199,10 @@ def _patch_loss(model, fam: Family, report, undo, modes) -> None:
 PRECISIONS = ("bf16", "fp8")
 
 
-def _patch_fp8(model, report, undo) -> None:
+def _patch_fp8(model, report, undo, keep: bool) -> None:
     """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings and the LM head
     keep their dtype."""
+    from ..ops.fp8_linear import QuantizedWeight
     from .modules import Fp8Settings, fp8_linear_forward
 
     layers = getattr(getattr(model, "model", model), "layers", None)
@@ -212,7 +213,7 @@ def _patch_fp8(model, report, undo) -> None:
     for layer in layers:
         for m in layer.modules():
             if type(m) is torch.nn.Linear and "forward" not in vars(m):
-                _bind(undo, m, fp8_linear_forward, Fp8Settings(report))
+                _bind(undo, m, fp8_linear_forward, Fp8Settings(report, QuantizedWeight() if keep else None))
                 done += 1
     report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
                done)
@@ -222,7 +223,7 @@ def _patch_fp8(model, report, undo) -> None:
 
 
 def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attention=True, cross_entropy=True,
-          moe=True, swiglu=None, precision: str = "bf16") -> PatchReport:
+          moe=True, swiglu=None, precision: str = "bf16", keep_quantized_weights: bool = False) -> PatchReport:
     """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
 
     Switches: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias), `rope`, `attention`,
@@ -235,6 +236,8 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
     `precision="fp8"` also runs every nn.Linear of the decoder layers in fp8 (forward and both backward GEMMs,
     e4m3 with rowwise scales, `kernelkit.ops.fp8_linear`); a call fp8 cannot take (no fp8 tensor cores, dims
     not multiples of 16, fp32) stays in its dtype, counted in the report. "bf16" (the default) leaves them.
+    `keep_quantized_weights=True` (with fp8) keeps each weight's fp8 copies until the weight changes (an
+    optimizer step): with gradient accumulation they are made once per step, at one byte per weight element each.
     The report's `choices` say, per switch and shape, which path runs and the measured ratio. Families:
     see `kernelkit.patch.families.FAMILIES`. Raises ValueError for a model of no known family, one
     already patched, or a switch value not in the list above.
@@ -260,7 +263,7 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
             if modes[kind] is not None:
                 step(model, fam, report, undo, modes)
         if precision == "fp8":
-            _patch_fp8(model, report, undo)
+            _patch_fp8(model, report, undo, keep_quantized_weights)
     except BaseException:
         undo.restore()
         raise

@@ -348,6 +348,7 @@ def experts_settings(block: torch.nn.Module, activations: dict, report: PatchRep
 @dataclass
 class Fp8Settings:
     report: PatchReport
+    cache: object = None  # an ops.fp8_linear.QuantizedWeight (keep_quantized_weights=True), else None
 
 
 def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,4 +361,4 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if why is not None:
         kk.report.fell_back("fp8", why)
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    return fp8_linear(x, self.weight, self.bias)
+    return fp8_linear(x, self.weight, self.bias, kk.cache)

@@ -25,8 +25,10 @@ from pathlib import Path
 # kernelkit: each switch runs kernelkit only where measured faster than the model's code (the default);
 # kernelkit-always: every switch forced to kernelkit.
 # ...+compile-ro: torch.compile(mode="reduce-overhead"), CUDA graphs around the compiled regions.
+# kernelkit-fp8: kernelkit.patch(model, precision="fp8"), the decoder layers' Linear GEMMs in fp8.
 VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile", "kernelkit-always",
-            "kernelkit-always+compile", "torch.compile-ro", "kernelkit+compile-ro")
+            "kernelkit-always+compile", "torch.compile-ro", "kernelkit+compile-ro", "kernelkit-fp8",
+            "kernelkit-fp8+compile")
 
 # Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
 LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -92,12 +94,13 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     if variant.startswith("kernelkit"):
         from ..patch import patch  # transformers' model classes, loaded with the variant that needs them
 
+        precision = "fp8" if "fp8" in variant else "bf16"
         if "always" in variant:
             report = patch(model, rms_norm="kernelkit", mlp="kernelkit", rope="kernelkit", attention="kernelkit",
                            cross_entropy="kernelkit", moe="kernelkit")
         else:
             report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
-                           moe="auto")
+                           moe="auto", precision=precision)
     run = torch.compile(model) if variant.endswith("compile") else \
         torch.compile(model, mode="reduce-overhead") if variant.endswith("compile-ro") else model
 
