@@ -101,7 +101,7 @@ def _forbidden(name):
 def test_measured_faster_runs_kernelkit_and_measures_each_key_once(fake_timer):
     faster, log = fake_timer
     faster.update({k: "kernelkit" for k in faster})
-    model = tiny_model("llama", dtype=torch.bfloat16)
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1)
     report = patch(model)
     model.train()
     for seed in (1, 2):
@@ -219,7 +219,7 @@ def test_real_measurement_on_the_gpu(tmp_path, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "mixtral"])
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "mixtral"])
 def test_every_trial_runs(family, monkeypatch):
     """The real measurement path on the CPU (interpreter kernels, host clock): every switch's trial is built
     at the call's key and both of its paths run forward and backward, for families whose originals differ

@@ -34,6 +34,7 @@ import types
 
 import torch
 
+from ..ops.fp8_linear import QuantizedWeight
 from ..ops.registry import get
 from .families import ACTIVATIONS, FAMILIES, Family, find_family
 from .report import PatchReport, Replacement
@@ -202,7 +203,6 @@ PRECISIONS = ("bf16", "fp8")
 def _patch_fp8(model, report, undo, keep: bool) -> None:
     """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings and the LM head
     keep their dtype."""
-    from ..ops.fp8_linear import QuantizedWeight
     from .modules import Fp8Settings, fp8_linear_forward
 
     layers = getattr(getattr(model, "model", model), "layers", None)
