@@ -965,6 +965,7 @@ def test_nn_moe_deepseek_routing(device):
         M.MoE(32, 16, 8, 2, n_group=3)
 
 
+@pytest.mark.slow  # about 30 s of sm_90 compiles on the CPU; the GPU tests launch the same kernels
 def test_persistent_kernel_compiles_for_sm90_at_hopper_tiles(monkeypatch):
     # The persistent TMA grouped GEMM as the forward, the backward's dgrads and fp8 launch it (K-major and
     # N-major weight descriptors, every epilogue), at the Hopper tiles its autotuner picks from, for sm_90.
