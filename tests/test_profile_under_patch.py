@@ -94,5 +94,8 @@ def test_patch_comparison_runs_the_fused_loss_and_names_each_fallback(monkeypatc
     text = " ".join(console.export_text().split())
     assert f"fallback: kernelkit.patch ran the model's own code (1 call): attention: {FP32_ATTENTION}" in text
     assert text.count("ran the model's own code") == 1  # nothing for the loss
+    # which path each switch ran per shape (the tests force kernelkit: KERNELKIT_PATCH_CHOICE=kernelkit)
+    assert [k for k, _, _ in comp["choices"]] == ["cross_entropy"] and comp["choices"][0][2] == "kernelkit (forced)"
+    assert "kernelkit.patch chose for cross_entropy at" in text
     before.patch = comp
     assert f"attention: {FP32_ATTENTION} (1 call)" in to_html(before, None)

@@ -120,5 +120,8 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
     kk_ms = sum(r.ms or 0.0 for r in after.rows if r.op.startswith("kernelkit::"))
     return {"family": full_patch.family, "replaced": [[r.kind, r.target, r.count] for r in full_patch.replaced],
             "skipped": [list(s) for s in full_patch.skipped], "rows": rows, "total": total,
+            # which path each switch runs per shape (kernelkit or the model's own, measured): a switch whose
+            # kernel measured slower than the model's code saves nothing here by design
+            "choices": [[c.kind, c.shape, c.describe()] for c in getattr(full_patch, "choices", {}).values()],
             "kernelkit_rows_ms": kk_ms if after.measured else None, "after_attributed_pct": after.attributed_pct,
             "after_unattributed_ms": sum(u["ms"] for u in after.unattributed)}, after

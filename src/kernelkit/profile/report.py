@@ -141,6 +141,8 @@ def print_patch_comparison(comp: dict, console=None) -> None:
                       f"{escape(why)}", highlight=False)
     for what, why in comp.get("skipped", []):
         console.print(f"kernelkit.patch left {escape(str(what))} alone: {escape(str(why))}")
+    for kind, shape, text in comp.get("choices", []):
+        console.print(f"kernelkit.patch chose for {escape(kind)} at {escape(shape)}: {escape(text)}", highlight=False)
 
 
 def _points(rep: Report) -> list[dict]:
