@@ -156,3 +156,12 @@ def test_quantized_weights_are_kept_until_the_weight_changes(device, monkeypatch
     assert torch.equal(y_after, fp8_linear(xs[0], w))
     with pytest.raises(TypeError, match="QuantizedWeight"):
         fp8_linear(xs[0], w, cache={})
+
+
+def test_bench_model_precision_fp8_puts_fp8_rows_next_to_bf16():
+    from kernelkit.testing.model_bench import VARIANTS, fp8_variants
+
+    got = fp8_variants(("eager", "kernelkit", "kernelkit+compile"))
+    assert got == ("eager", "kernelkit", "kernelkit-fp8", "kernelkit+compile", "kernelkit-fp8+compile")
+    assert set(got) <= set(VARIANTS)
+    assert fp8_variants(("kernelkit", "kernelkit-fp8")) == ("kernelkit", "kernelkit-fp8")

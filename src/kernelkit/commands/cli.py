@@ -158,6 +158,8 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           batch: int = typer.Option(4, help="bench model: sequences per step"),
           seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
           steps: int = typer.Option(5, min=1, help="bench model: timed steps per variant (the median is reported)"),
+          precision: str = typer.Option("bf16", help="bench model: fp8 adds, after each kernelkit variant, the same "
+                                                      "with kernelkit.patch(model, precision='fp8')"),
           nproc: int = typer.Option(1, min=1, help="bench model: GPUs of this host; above 1, the FSDP2 training step "
                                                    "(kernelkit.patch vs unpatched, AdamW) under torchrun on N GPUs and "
                                                    "on one: tokens/s per GPU and in total, scaling efficiency, peak "
@@ -173,7 +175,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
     import torch
 
     if op == "model":
-        from ..testing.model_bench import VARIANTS, print_rows, run_model_bench
+        from ..testing.model_bench import VARIANTS, fp8_variants, print_rows, run_model_bench
 
         if not torch.cuda.is_available():
             console.print("[red]kernelkit bench model needs a CUDA GPU[/].")
@@ -195,6 +197,11 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
             console.print(f"wrote {out / 'model-nproc.json'}")
             return
         chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
+        if precision not in ("bf16", "fp8"):
+            console.print(f"[red]--precision {precision!r}[/]: one of 'bf16', 'fp8'")
+            raise typer.Exit(2)
+        if precision == "fp8":
+            chosen = fp8_variants(chosen)
         bad = [v for v in chosen if v not in VARIANTS]
         if bad:
             console.print(f"[red]unknown variant(s) {bad}[/]; known: {', '.join(VARIANTS)}")

@@ -39,6 +39,20 @@ LLAMA_1B = dict(LLAMA, hidden_size=2048, intermediate_size=8192, head_dim=64, ti
 EXAMPLES = {"llama": LLAMA, "llama-1b": LLAMA_1B}
 
 
+def fp8_variants(variants) -> tuple:
+    """`bench model --precision fp8`: each kernelkit variant followed by its fp8 counterpart (kernelkit ->
+    kernelkit-fp8, kernelkit+compile -> kernelkit-fp8+compile), so the fp8 rows sit next to the bf16 ones."""
+    out = []
+    for v in variants:
+        if v not in out:
+            out.append(v)
+        if v in ("kernelkit", "kernelkit+compile"):
+            twin = v.replace("kernelkit", "kernelkit-fp8", 1)
+            if twin not in out:
+                out.append(twin)
+    return tuple(out)
+
+
 def build_config(example: str | None, config_path: str | None, layers: int | None, seq: int):
     from transformers import AutoConfig
 
