@@ -16,12 +16,17 @@ def _name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def not_dtensor(x, name: str) -> None:
-    """Refuse a torch.distributed DTensor: a Triton kernel reads its local shard's storage as if it were the whole
-    tensor, which would be a silently wrong result. Free when torch.distributed.tensor was never imported (then no
+def is_dtensor(x) -> bool:
+    """Whether x is a torch.distributed DTensor. Free when torch.distributed.tensor was never imported (then no
     DTensor exists), one isinstance otherwise."""
     dt = sys.modules.get("torch.distributed.tensor")
-    if dt is not None and isinstance(x, dt.DTensor):
+    return dt is not None and isinstance(x, dt.DTensor)
+
+
+def not_dtensor(x, name: str) -> None:
+    """Refuse a torch.distributed DTensor: a Triton kernel reads its local shard's storage as if it were the whole
+    tensor, which would be a silently wrong result."""
+    if is_dtensor(x):
         raise TypeError(f"{name} is a DTensor (placements {tuple(x.placements)}); kernelkit's kernels take plain "
                         f"tensors: run the op on its local shards ({name}.to_local(), when the op is local along "
                         f"the sharded dim) or use a parallel plan that gives the op replicated/local inputs "

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import switches
-from ..runtime import cache, interpreting
+from ..runtime import cache, capturing, interpreting, next_pow2
 
 MODES = ("auto", "kernelkit")
 # Per-path measuring budget: reps are added until a path has run this long (at least MIN_REPS, at most MAX_REPS).
@@ -165,10 +165,6 @@ def decide(token: int, key: tuple) -> bool:
         site.report.chose(choice)
     _fast[(token, key)] = choice
     return choice.use_kernelkit
-
-
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def can_measure() -> bool:
@@ -311,7 +307,7 @@ def needs_grad(*tensors) -> bool:
 def bucket(n: int) -> int:
     """`n` rounded up to a power of two: the token counts (and sequence lengths) that share one decision, so
     that a stream of varying batch shapes measures a handful of sizes, not one per batch."""
-    return 1 << max(0, int(n) - 1).bit_length()
+    return next_pow2(int(n))
 
 
 def dtype_name(dtype) -> str:

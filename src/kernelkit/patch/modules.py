@@ -11,7 +11,6 @@ counted in the report.
 from __future__ import annotations
 
 import inspect
-import sys
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +20,7 @@ import torch
 from ..runtime import interpreting
 from ..ops import glu
 from . import choose
+from ..ops._validate import is_dtensor
 from ..ops.fp8_linear import fp8_linear, unsupported as fp8_unsupported
 from ..ops.moe import moe_experts
 from ..ops.rms_norm import rms_norm
@@ -39,9 +39,8 @@ DTENSOR_REASON = "DTensor input (a tensor-parallel plan hands this module sharde
 
 
 def any_dtensor(*tensors) -> bool:
-    """Whether any argument is a torch.distributed DTensor (free when torch.distributed.tensor was never imported)."""
-    dt = sys.modules.get("torch.distributed.tensor")
-    return dt is not None and any(isinstance(t, dt.DTensor) for t in tensors)
+    """Whether any argument is a torch.distributed DTensor (`_validate.is_dtensor`)."""
+    return any(is_dtensor(t) for t in tensors)
 
 
 # --- RMSNorm ---

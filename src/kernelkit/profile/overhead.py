@@ -22,9 +22,8 @@ from typing import Callable
 
 import torch
 
+from .analysis import GRAPH_GAP_US
 from .trace import _run_step, _zero_grad
-
-GRAPH_GAP_US = 1.0  # what a kernel still costs inside a CUDA graph (as analysis.GRAPH_GAP_US)
 
 
 def _median_ms(fn: Callable[[], object], steps: int) -> float:
