@@ -19,7 +19,8 @@ SPECS = pytest.mark.parametrize("spec", [SOFTMAX, LOG_SOFTMAX], ids=lambda s: s.
 @pytest.fixture
 def long_rows(monkeypatch):
     """Shrink the thresholds so that rows of a few hundred take the long-row kernels (the interpreter
-    is slow), with several loop steps per row and per chunk."""
+    is slow), with several loop steps per row and per chunk; the cooperative rows off (coop_rows has them)."""
+    monkeypatch.setattr(mod, "COOP", False)
     monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
     monkeypatch.setattr(mod, "LOOP_BLOCK_N", 64)
     monkeypatch.setattr(mod, "num_sms", lambda device: 4)  # the path choice as on the interpreter, on any GPU
@@ -45,6 +46,46 @@ def test_long_row_kernels(spec, shape, path, device, long_rows):
     assert _path(*shape, device) == path
     for dtype in ("float32", "bfloat16"):
         check_spec(spec, shape, dtype, device=device, trials=1).raise_if_failed()
+
+
+@pytest.fixture
+def coop_rows(monkeypatch):
+    """Rows over 256 take the cooperative kernels, in chunks of 128 (forward) and 192 (backward) columns: several
+    programs per row, a short last chunk. On the interpreter they run in two phases (ops/_coop.py)."""
+    monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
+    monkeypatch.setattr(mod, "COOP_CHUNK", 128)
+    monkeypatch.setattr(mod, "COOP_BWD_CHUNK", 192)
+
+
+@SPECS
+@pytest.mark.parametrize("shape", [(5, 300), (1, 1000), (7, 257), (3, 2, 700)])
+def test_cooperative_rows(spec, shape, device, coop_rows):
+    from kernelkit.testing import compile_check
+
+    records = []
+    with compile_check.record_launches(records) if INTERPRET else _nothing():
+        for dtype in ("float32", "bfloat16"):
+            check_spec(spec, shape, dtype, device=device, trials=1).raise_if_failed()
+    if INTERPRET:  # the cooperative kernels ran, and nothing else
+        assert {r["kernel"].split(":")[1] for r in records} == {"softmax_fwd_coop_kernel", "softmax_bwd_coop_kernel"}
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_cooperative_rows_nan_inf_like_torch(device, coop_rows):
+    x = torch.randn(6, 700, device=device)
+    x[0, 5] = float("nan")  # one chunk's max ignores it on the GPU; its sum does not
+    x[1, :] = float("-inf")
+    x[2, 150] = float("inf")
+    x[3, :400] = float("-inf")  # whole chunks of nothing but -inf
+    for fn, ref in ((mod.softmax, torch.softmax), (mod.log_softmax, torch.log_softmax)):
+        got, want = fn(x), ref(x, -1)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), fn.__name__
+        torch.testing.assert_close(got[3:], want[3:])
 
 
 def test_split_chunks_cover_the_row_once():
@@ -223,13 +264,59 @@ def test_every_long_row_kernel_compiles_for_sm90(long_rows):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="records launches through the Triton interpreter")
+def test_cooperative_kernels_compile_for_sm90(coop_rows):
+    # The interpreter runs the phased launches; the GPU runs PHASE 0 (the spin on the group's counter).
+    from kernelkit.testing import compile_check
+
+    records = []
+    with compile_check.record_launches(records):
+        for fn in (mod.softmax, mod.log_softmax):
+            x = torch.randn(3, 300, dtype=torch.bfloat16, requires_grad=True)
+            fn(x, scale=0.5).backward(torch.randn(3, 300, dtype=torch.bfloat16))
+    for r in records:
+        r["args"]["PHASE"]["value"] = 0
+    records = compile_check.unique(records)
+    assert len(records) == 4
+    failures = compile_check.compile_in_subprocess(records)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.gpu
 @SPECS
 @pytest.mark.parametrize("shape", [(16384, 4096), (1024, 32768), (64, 393216), (7, 393217), (600, 40000), (1, 4096),
-                                   (1, 65537)])
+                                   (1, 65537), (1024, 262144), (3, 1000003)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_large_shapes(spec, shape, dtype):
     check_spec(spec, shape, dtype, device="cuda", trials=2).raise_if_failed()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("coop", [True, False])
+@pytest.mark.parametrize("shape", [(1000, 131072), (5, 393216)])
+def test_gpu_cooperative_and_fallback_paths_agree(shape, coop, monkeypatch):
+    # The cooperative rows against the two-pass kernels they replace, and the phased launch (as on the
+    # interpreter) against the cooperative one, bit for bit: the same arithmetic in the same order.
+    from kernelkit.ops import _coop
+
+    monkeypatch.setattr(mod, "COOP", coop)
+    x = 3 * torch.randn(shape, device="cuda")
+    dy = torch.randn(shape, device="cuda")
+    for fn, ref in ((mod.softmax, torch.softmax), (mod.log_softmax, torch.log_softmax)):
+        xr = x.double().requires_grad_()
+        want = ref(xr, -1)
+        (gwant,) = torch.autograd.grad(want, xr, dy.double())
+        xk = x.clone().requires_grad_()
+        got = fn(xk)
+        (gk,) = torch.autograd.grad(got, xk, dy)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk.double(), gwant, rtol=1e-4, atol=1e-6)
+    if coop:
+        real = _coop.launch_rows
+        monkeypatch.setattr(_coop, "launch_rows", lambda *a, **k: real(*a, **dict(k, phased=True)))
+        phased = [mod.softmax(x), mod.log_softmax(x)]
+        monkeypatch.setattr(_coop, "launch_rows", real)
+        assert torch.equal(phased[0], mod.softmax(x)) and torch.equal(phased[1], mod.log_softmax(x))
 
 
 @pytest.mark.gpu

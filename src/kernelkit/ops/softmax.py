@@ -7,11 +7,15 @@ Three paths by row length N and row count M:
 - N <= MAX_FUSED_N: the row sits in registers, several rows per program when short: one HBM pass.
 - longer rows, many of them: one program per row, online statistics (running max and rescaled sum in
   one read), then a second sweep re-reads the row and writes y.
-- longer rows, fewer than SPLIT_PROGRAMS_PER_SM per SM (a few 393216-long attention rows): one program
-  per row would leave the SMs short of bytes in flight, so each row is split into chunks. One kernel
-  writes per-chunk (max, sum) partials; a second combines a row's partials and writes its chunk,
-  walking the chunks in reverse so that it first re-reads what the first kernel read last, while
-  that is still in L2.
+- longer rows, on a GPU (the default): cooperative rows (ops/_coop.py). Each row is split over a group of
+  programs that hold their chunk in registers and exchange the chunk's (max, sum), forward, or dot(dy, y),
+  backward: one read and one write, at any row length whose chunks the GPU holds at once.
+- longer rows where that does not apply (COOP off, or a row needing more programs than are resident): one
+  program per row, online statistics (running max and rescaled sum in one read), then a second sweep
+  re-reads the row and writes y; with fewer rows than SPLIT_PROGRAMS_PER_SM per SM, each row is split
+  into chunks: one kernel writes per-chunk (max, sum) partials, a second combines a row's partials and
+  writes its chunk, walking the chunks in reverse so that it first re-reads what the first kernel read
+  last, while that is still in L2.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import triton.language as tl
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty_like
 from ..runtime import autotune, cdiv, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
-from . import _validate
+from . import _coop, _validate
+from ._coop import coop_chunk, coop_exchange
 from ._dispatch import Op
 from .registry import OpSpec, optional_import, register
 
@@ -33,6 +38,13 @@ MAX_FUSED_N = 32768
 LOOP_BLOCK_N = 4096
 # Programs per SM the split path aims for: several in flight per SM to cover HBM latency.
 SPLIT_PROGRAMS_PER_SM = 4
+# Cooperative rows (ops/_coop.py) for rows over MAX_FUSED_N: on, the longest chunk one program holds (forward:
+# x; backward: dy and y), its warps, and the programs per SM aimed for.
+COOP = True
+COOP_CHUNK = 8192
+COOP_BWD_CHUNK = 8192
+COOP_WARPS = 8
+COOP_PER_SM = 2
 LOG2E = tl.constexpr(1.4426950408889634)  # a kernel may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
@@ -236,6 +248,62 @@ def softmax_bwd_split_kernel(DY, Y, DX, PART, stride_dy, stride_y, stride_dx, N,
     _write_dx(DY + row * stride_dy, Y + row * stride_y, DX + row * stride_dx, lo, hi, c, scale, LOG, BLOCK_N)
 
 
+# --- long rows, cooperative: each row split over a group of programs that exchange its statistics ---
+
+@triton.jit
+def softmax_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, Y, stride_x, stride_y, scale, LOG: tl.constexpr,
+                            SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+                            PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    scale2 = scale * LOG2E
+    step = 0
+    row = slot
+    while row < M:
+        r64 = row.to(tl.int64)
+        z = tl.where(ok, tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32) * scale2, NEG_INF)
+        m = tl.max(z, axis=0)
+        s = tl.sum(tl.exp2(z - tl.where(m == NEG_INF, 0.0, m)), axis=0)
+        ms, ss, part_ok = coop_exchange(WS, CNT, slot, row, g, step, m, s, SPLITS, BLOCK_S, PHASE)
+        if PHASE != 1:
+            m_all, s_all = _merge_stats(tl.where(part_ok, ms, NEG_INF), ss)
+            if LOG:
+                y = (z - m_all) * LN2 - tl.log(s_all)
+            else:
+                y = tl.exp2(z - m_all) * (1.0 / s_all)
+            tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+        row += groups
+        step += 1
+
+
+@triton.jit
+def softmax_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, Y, DX, stride_dy, stride_y, stride_dx, scale,
+                            LOG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr,
+                            BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    step = 0
+    row = slot
+    while row < M:
+        r64 = row.to(tl.int64)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(Y + r64 * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        if LOG:
+            part = tl.sum(dy, axis=0)
+        else:
+            part = tl.sum(dy * y, axis=0)
+        cs, _unused, part_ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
+        if PHASE != 1:
+            c = tl.sum(cs, axis=0)
+            if LOG:
+                dx = dy - tl.exp2(y * LOG2E) * c
+            else:
+                dx = y * (dy - c)
+            tl.store(DX + r64 * stride_dx + cols, (dx * scale).to(DX.dtype.element_ty), mask=ok)
+        row += groups
+        step += 1
+
+
 # --- launchers ---
 
 def _splits(m: int, n: int, device) -> tuple[int, int]:
@@ -272,6 +340,10 @@ def softmax_fwd(x: torch.Tensor, scale: float, log: bool) -> torch.Tensor:
         launch(softmax_fwd_kernel, grid, (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), m, n, scale,
                LOG=log, BLOCK_N=next_pow2(n))
         return y
+    if COOP and _coop.launch_rows(softmax_fwd_coop_kernel, m, n, COOP_CHUNK,
+                                  (x2, y2, x2.stride(0), y2.stride(0), scale), {"LOG": log, "num_warps": COOP_WARPS},
+                                  x.device, per_sm=COOP_PER_SM):
+        return y
     splits, chunk = _splits(m, n, x.device)
     if splits == 1:
         launch(softmax_fwd_looped_kernel, (m,), (n, log, x.dtype), x2, y2, x2.stride(0), y2.stride(0), n, scale,
@@ -302,6 +374,9 @@ def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float, log: bool) -> t
         grid = lambda meta: (cdiv(m, meta["ROWS"]),)
         launch(softmax_bwd_kernel, grid, (n, log, dy.dtype, y.dtype), dy2, y2, dx2, *strides, m, n, scale,
                LOG=log, BLOCK_N=next_pow2(n))
+        return dx
+    if COOP and _coop.launch_rows(softmax_bwd_coop_kernel, m, n, COOP_BWD_CHUNK, (dy2, y2, dx2, *strides, scale),
+                                  {"LOG": log, "num_warps": COOP_WARPS}, y.device, per_sm=COOP_PER_SM):
         return dx
     splits, chunk = _splits(m, n, y.device)
     if splits == 1:
