@@ -15,6 +15,7 @@ from kernelkit.ops import registry
 from kernelkit.runtime import num_sms
 from kernelkit.testing import check, check_spec
 from kernelkit.runtime.alloc import poisoned_outputs
+from tests.conftest import INTERPRET
 
 # Narrow strips, so that 300-odd columns take several of them (a ragged last one), and 13 rows that leave row
 # groups of unequal sizes. With the interpreter's 4 "SMs": 11 groups asked for, 7 of 2 rows kept; 3 asked
@@ -26,16 +27,25 @@ DESIGNS = {
 }
 
 
-@pytest.fixture(params=list(DESIGNS))
+@pytest.fixture(params=list(DESIGNS) + ["cooperative"])
 def wide(request, monkeypatch):
-    """Forces the wide backward for rows over 256 columns, with one strips configuration."""
+    """Forces the wide backward for rows over 256 columns, with one strips configuration; or RMSNorm's
+    cooperative rows (ops/_coop.py) forward and backward, in chunks of 128 columns (LayerNorm then takes the
+    default strips)."""
+    coop = request.param == "cooperative"
+    design = common.WideBackward(4.0, 4, 128, 4) if coop else DESIGNS[request.param]
+    monkeypatch.setattr(mod, "COOP", coop)
+    if coop:
+        monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(mod, "COOP_CHUNK", 128)
+        monkeypatch.setattr(mod, "COOP_BWD_CHUNK", 128)
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(mod, "LOOP_BLOCK_N", 128)
-    monkeypatch.setattr(mod, "WIDE_BWD", DESIGNS[request.param])
+    monkeypatch.setattr(mod, "WIDE_BWD", design)
     monkeypatch.setattr(ln, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(ln, "LOOP_BLOCK_N", 128)
-    monkeypatch.setattr(ln, "WIDE_BWD", DESIGNS[request.param])
-    return DESIGNS[request.param]
+    monkeypatch.setattr(ln, "WIDE_BWD", design)
+    return design
 
 
 def _strided(rows, n, device, dtype, gen, pad=37):
@@ -142,6 +152,7 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
     # Measured on the H100: fp32 add+RMSNorm spills out of the fused backward at 16384 columns, bf16 and
     # plain RMSNorm do not. Scaled down: rows of 300 between the two limits.
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N_FP32_DS", 256)
+    monkeypatch.setattr(mod, "COOP", False)
     launches = _launches(monkeypatch, mod)
     check_spec(registry.get(op), (5, 300), dtype, device=device, trials=1).raise_if_failed()
     names = [name for name, _, _ in launches]
@@ -149,15 +160,20 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
     assert ("rms_norm_bwd_strip_kernel" in names) != fused, names
 
 
-def test_wide_rows_take_the_strips_design_by_default(device, monkeypatch):
+def test_wide_rows_take_cooperative_rows_or_the_strips_by_default(device, monkeypatch):
+    # RMSNorm: the cooperative rows forward (past MAX_FUSED_N) and backward (past the fused limit); LayerNorm the
+    # looped forward and the strips.
+    from kernelkit.ops import _coop
+
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
+    monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
     monkeypatch.setattr(ln, "MAX_FUSED_BWD_N", 256)
-    rms_launches, ln_launches = _launches(monkeypatch, mod), _launches(monkeypatch, ln)
+    rms_launches, ln_launches = _launches(monkeypatch, _coop), _launches(monkeypatch, ln)
     x, w = torch.randn(3, 300, device=device, requires_grad=True), torch.randn(300, device=device, requires_grad=True)
     mod.rms_norm(x, w).sum().backward()
     ln.layer_norm(x, w).sum().backward()
     rms_names, ln_names = [name for name, _, _ in rms_launches], [name for name, _, _ in ln_launches]
-    assert "rms_norm_bwd_strip_kernel" in rms_names, rms_names
+    assert {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel"} <= set(rms_names), rms_names
     assert "layer_norm_bwd_strip_kernel" in ln_names, ln_names
 
 
@@ -246,7 +262,41 @@ def test_gpu_fused_designs_at_real_sizes(shape):
                                     common.WideBackward(1.0, 2, 1024, 4)], ids=["default", "8-warps", "wide-strips"])
 @pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16")])
 def test_gpu_designs_at_real_widths(design, shape, dtype, monkeypatch):
+    monkeypatch.setattr(mod, "COOP", False)
     monkeypatch.setattr(mod, "WIDE_BWD", design)
     monkeypatch.setattr(ln, "WIDE_BWD", design)
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
+        check_spec(registry.get(op), shape, dtype, device="cuda", trials=1).raise_if_failed()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="records launches through the Triton interpreter")
+def test_cooperative_kernels_compile_for_sm90(monkeypatch):
+    # The interpreter runs the phased launches (PHASE 1, 2); the GPU runs PHASE 0, compiled here for sm_90.
+    from kernelkit.testing import compile_check
+
+    monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
+    monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
+    monkeypatch.setattr(mod, "COOP_CHUNK", 128)
+    monkeypatch.setattr(mod, "COOP_BWD_CHUNK", 128)
+    records = []
+    with compile_check.record_launches(records):
+        check_spec(registry.get("add_rms_norm"), (3, 300), "bfloat16", device="cpu", trials=1).raise_if_failed()
+        check_spec(registry.get("rms_norm"), (3, 300), "bfloat16", device="cpu", trials=1).raise_if_failed()
+    records = [r for r in records if "coop" in r["kernel"]]
+    for r in records:
+        r["args"]["PHASE"]["value"] = 0
+    records = compile_check.unique(records)
+    assert {r["kernel"].split(":")[1] for r in records} == {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel"}
+    failures = compile_check.compile_in_subprocess(records)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [(8192, 4096), (4096, 2048), (16384, 8192)])
+@pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16"),
+                                         ((1024, 131072), "bfloat16"), ((2, 1000003), "float32")])
+def test_gpu_cooperative_rows_at_real_widths(chunks, shape, dtype, monkeypatch):
+    monkeypatch.setattr(mod, "COOP_CHUNK", chunks[0])
+    monkeypatch.setattr(mod, "COOP_BWD_CHUNK", chunks[1])
+    for op in ("rms_norm", "add_rms_norm"):
         check_spec(registry.get(op), shape, dtype, device="cuda", trials=1).raise_if_failed()

@@ -127,22 +127,25 @@ def launch_rows(kernel, m: int, n: int, max_chunk: int, args: tuple, kwargs: dic
     constexprs (set here) besides `kwargs`. At most `per_sm` programs per SM (fewer where the compiled kernel
     does not fit that many). Returns False, launching nothing, where one row needs more programs than the GPU
     holds at once: the caller takes another path. On the interpreter, the CPU, or with `phased`, it runs as two
-    launches (module docstring)."""
+    launches (module docstring). `args` may be a function of the number of groups (for outputs sized by it, a
+    per-group partial say) returning the tuple."""
     splits, chunk = split_row(n, max_chunk)
+    args_of = args if callable(args) else (lambda groups: args)
     consts = dict(kwargs, SPLITS=splits, BLOCK_C=next_pow2(chunk), BLOCK_S=next_pow2(splits))
     if phased or interpreting() or device.type != "cuda":
         groups = min(m, 2)  # two groups: the row stride is exercised
         ws = torch.empty(m * 2 * splits, dtype=torch.float32, device=device)
         cnt = torch.zeros(1, dtype=torch.int32, device=device)
+        args = args_of(groups)
         for phase in (1, 2):
             launch(kernel, (groups * splits,), None, ws, cnt, m, n, chunk, *args, PHASE=phase, **consts)
         return True
     coop = dict(consts, PHASE=0, launch_cooperative_grid=True)
     cnt = torch.zeros(per_sm * num_sms(device), dtype=torch.int32, device=device)
-    per_sm = min(per_sm, resident(kernel, device, (cnt, cnt, m, n, chunk, *args), coop))
+    per_sm = min(per_sm, resident(kernel, device, (cnt, cnt, m, n, chunk, *args_of(1)), coop))
     groups = min(m, (per_sm * num_sms(device)) // splits)
     if groups < 1:
         return False
     ws = torch.empty(groups * 4 * splits, dtype=torch.float32, device=device)
-    launch(kernel, (groups * splits,), None, ws, cnt[:groups], m, n, chunk, *args, **coop)
+    launch(kernel, (groups * splits,), None, ws, cnt[:groups], m, n, chunk, *args_of(groups), **coop)
     return True

@@ -2,10 +2,12 @@
 
 Memory-bound: the floor is one read of x and one write of y (forward), one read of x and dy and one
 write of dx (backward). Rows that fit in one block are normalized in registers, several rows per
-program for short rows; longer rows take a looped kernel that makes two passes over the row.
+program for short rows; longer rows take cooperative rows on a GPU (ops/_coop.py: each row split over
+programs that hold their chunk and exchange its sum of squares, one pass), else a looped kernel that
+makes two passes over the row.
 The fused backward is persistent: each program walks a strided set of rows and keeps its share of dw
 in registers, so dw costs one (programs × N) fp32 partial, summed in a second stage. Rows too wide for
-it take a column-strip backward (`WideBackward`): a per-row sum, then strips of columns that keep their
+it take cooperative rows (each program keeps its chunk's dw share over its group's rows), else a column-strip backward (`WideBackward`): a per-row sum, then strips of columns that keep their
 share of dw in registers over a group of rows.
 """
 
@@ -22,7 +24,8 @@ import triton.language as tl
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty, empty_like
 from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
-from . import _validate
+from . import _coop, _validate
+from ._coop import coop_chunk, coop_exchange
 from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 from .registry import OpSpec, optional_import, register
@@ -57,6 +60,16 @@ FUSED_BWD_DS = (FusedBackward(2048, 2, stages=2), FusedBackward(MAX_FUSED_N, 1, 
 # per step tried: too few loads in flight per SM, by our reading (not profiled). Tests and benchmarks set
 # other strips.
 WIDE_BWD = WideBackward(4.0, 4, 512, 4)
+# Cooperative rows (ops/_coop.py) past MAX_FUSED_N (forward) and the fused backward's limit (backward): each row
+# split over programs that hold their chunk (x and w; x, dy, w and dw's share) in registers and exchange the row's
+# sum of squares, or sum(x·w·dy): one read and one write. On (COOP), the longest chunk, warps, programs per SM.
+# Where it does not apply (COOP off, or a row needing more programs than are resident) the looped forward and the
+# column-strip backward do.
+COOP = True
+COOP_CHUNK = 8192
+COOP_BWD_CHUNK = 4096
+COOP_WARPS = 8
+COOP_PER_SM = 2
 
 
 @autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_RESIDUAL"],
@@ -201,6 +214,71 @@ def rms_norm_bwd_strip_kernel(DY, X, W, RSTD, C, DS, DX, DW_PARTIAL, stride_dy, 
         tl.store(DW_PARTIAL + group.to(tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
+@triton.jit
+def rms_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, eps,
+                             offset, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    if HAS_WEIGHT:  # this chunk of the weight, loaded once for all the group's rows
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
+    step = 0
+    row = slot
+    while row < M:
+        r64 = row.to(tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = (x + tl.load(R + r64 * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
+            if PHASE != 2:
+                tl.store(S + r64 * stride_s + cols, s, mask=ok)
+            x = s.to(tl.float32)
+        part = tl.sum(x * x, axis=0)
+        sq, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
+        if PHASE != 1:
+            rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / N + eps)
+            y = x * rstd
+            if HAS_WEIGHT:
+                y = y * w
+            tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+            tl.store(RSTD + row, rstd, mask=g == 0)
+        row += groups
+        step += 1
+
+
+@triton.jit
+def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x,
+                             stride_ds, stride_dx, offset, HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr,
+                             SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_C], dtype=tl.float32)  # the group's share of dweight over its rows, this chunk
+    step = 0
+    row = slot
+    while row < M:
+        r64 = row.to(tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        wdy = dy * w if HAS_WEIGHT else dy
+        part = tl.sum(xhat * wdy, axis=0)
+        cs, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
+        if PHASE != 1:
+            c = tl.sum(cs, axis=0) / N
+            dx = (wdy - xhat * c) * rstd
+            if HAS_DS:
+                dx += tl.load(DS + r64 * stride_ds + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+            if HAS_WEIGHT:
+                dw += dy * xhat
+        row += groups
+        step += 1
+    if HAS_WEIGHT and PHASE != 1:
+        tl.store(DW_PARTIAL + slot.to(tl.int64) * N + cols, dw, mask=ok)
+
+
 def _forward(x, weight, eps, offset, residual):
     """Validate the arguments and launch the forward. Returns (y, rstd, summed): rstd of shape x.shape[:-1] in
     fp32, and summed = x + residual (None without a residual), normalized in the same pass. The checks are inline,
@@ -233,7 +311,9 @@ def _forward(x, weight, eps, offset, residual):
         grid = lambda meta: (cdiv(m, meta["ROWS"]),)  # noqa: E731
         launch(rms_norm_fwd_kernel, grid, (n, weight is not None, has_r, x.dtype, w.dtype), *args, m, n, eps,
                offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r, BLOCK_N=next_pow2(n))
-    else:
+    elif not (COOP and _coop.launch_rows(rms_norm_fwd_coop_kernel, m, n, COOP_CHUNK, (*args, eps, offset),
+                                         {"HAS_WEIGHT": weight is not None, "HAS_RESIDUAL": has_r,
+                                          "num_warps": COOP_WARPS}, x.device, per_sm=COOP_PER_SM)):
         launch(rms_norm_fwd_looped_kernel, (m,), None, *args, n, eps, offset, HAS_WEIGHT=weight is not None,
                HAS_RESIDUAL=has_r, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     return y, rstd, summed
@@ -265,6 +345,22 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, 
            x2.stride(0), ds2.stride(0), dx2.stride(0), m, n, per_group, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds,
            BLOCK_N=cfg.block_n, ROWS=cfg.rows, num_warps=cfg.num_warps)
     return partial
+
+
+def _coop_bwd(m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds):
+    """Launch the cooperative backward; returns its (groups, n) dw partial (x2 without a weight), or None where
+    it does not apply (nothing launched)."""
+    partial = []
+
+    def args(groups):
+        partial[:] = [empty((groups, n), dtype=torch.float32, device=x2.device) if has_w else x2]
+        return (dy2, x2, w, rstd, ds2, dx2, partial[0], dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
+                offset)
+
+    ok = _coop.launch_rows(rms_norm_bwd_coop_kernel, m, n, COOP_BWD_CHUNK, args,
+                           {"HAS_WEIGHT": has_w, "HAS_DS": has_ds, "num_warps": COOP_WARPS}, x2.device,
+                           per_sm=COOP_PER_SM)
+    return partial[0] if ok else None
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
@@ -300,7 +396,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tenso
                dy2, x2, w, rstd, ds2, dx2, partial, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
                m, n, offset, HAS_WEIGHT=has_w, HAS_DS=has_ds, BLOCK_N=block_n, STAGES=cfg.stages)
     else:
-        partial = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds)
+        partial = _coop_bwd(m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds) if COOP else None
+        if partial is None:
+            partial = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds)
     dw = column_sum(partial, weight, sms) if has_w else x.new_empty(0)
     return dx, dw
 
