@@ -559,12 +559,28 @@ def _liger_loader():
     return liger
 
 
+def _quack_loader():
+    """quack's cross-entropy (CuTe DSL; `quack-kernels`, where it imports): the plain loss only (no weight,
+    smoothing, z-loss or softcap: None where those are asked for, so no row compares unlike work)."""
+    fn = optional_import("quack.cross_entropy", "cross_entropy")()
+    if fn is None:
+        return None
+
+    def quack(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+              reduction="mean"):
+        if weight is not None or label_smoothing or z_loss or softcap is not None:
+            raise NotImplementedError("quack's cross_entropy has no weight, label smoothing, z-loss or softcap")
+        return fn(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    return quack
+
+
 register(OpSpec(
     name="cross_entropy", fn=cross_entropy, reference=reference, cost=cost, make_inputs=make_inputs,
     grad_args=(0,),
     test_shapes=[(37, 1), (37, 7), (37, 1000), (13, 4097)],
     bench_shapes=[(8192, 32000), (8192, 128256), (4096, 256000)],
-    competitors={"liger": _liger_loader},
+    competitors={"liger": _liger_loader, "quack": _quack_loader},
     replaces=("aten::cross_entropy_loss", "aten::nll_loss_forward", "aten::_log_softmax", "CrossEntropyLoss"),
     doc="Cross-entropy over large vocabularies: chunked online log-sum-exp, ignore_index, class weights, label "
         "smoothing, z-loss, softcap; fp32 loss; dlogits computed in the forward pass.",

@@ -578,12 +578,20 @@ def _liger_loader():
     return lambda x, weight=None, eps=1e-6, offset=0.0: fn(x, weight, eps, offset, "llama", True)
 
 
+def _quack_loader():
+    """quack's RMSNorm (CuTe DSL; `quack-kernels`, where it imports), autograd included."""
+    fn = optional_import("quack.rmsnorm", "rmsnorm")()
+    if fn is None:
+        return None
+    return lambda x, weight=None, eps=1e-6, offset=0.0: fn(x, weight, eps=eps, weight_offset=offset)
+
+
 register(OpSpec(
     name="rms_norm", fn=rms_norm, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1),
     test_shapes=[(3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
     bench_shapes=[(4096, 4096), (16384, 2048), (16384, 4096), (8192, 8192), (16384, 8192)],
     latency_shapes=[(1, 4096)],
-    competitors={"F.rms_norm": lambda: _torch_rms_norm, "liger": _liger_loader},
+    competitors={"F.rms_norm": lambda: _torch_rms_norm, "liger": _liger_loader, "quack": _quack_loader},
     replaces=("aten::rms_norm", "aten::_fused_rms_norm", "RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",
               "Qwen2RMSNorm", "Qwen3RMSNorm", "GemmaRMSNorm"),
     doc="RMSNorm forward+backward, fp32 statistics, optional weight and weight offset.",

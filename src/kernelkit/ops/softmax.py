@@ -498,6 +498,19 @@ def _liger_loader():
     return None if fn is None else (lambda x, dim=-1, *, scale=1.0: fn(x * scale if scale != 1.0 else x))
 
 
+def _quack_loader():
+    """quack's softmax (CuTe DSL; `quack-kernels`, where it imports): rows of a 2-D input, autograd included."""
+    fn = optional_import("quack.softmax", "softmax")()
+    if fn is None:
+        return None
+
+    def quack(x, dim=-1, *, scale=1.0):
+        x = x * scale if scale != 1.0 else x
+        return fn(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+    return quack
+
+
 _COMMON = {
     "cost": cost, "make_inputs": make_inputs, "grad_args": (0,),
     "test_shapes": [(1, 1), (3, 7), (37, 1000), (5, 4097), (2, 3, 129)],
@@ -508,7 +521,7 @@ _COMMON = {
     "layout_shape": (2, 3, 129),
 }
 register(OpSpec(name="softmax", fn=softmax, reference=reference, eager=_eager,
-                competitors={"liger": _liger_loader},
+                competitors={"liger": _liger_loader, "quack": _quack_loader},
                 replaces=("aten::_softmax", "aten::softmax", "Softmax"),
                 doc="softmax(scale * x) over the last dim, forward+backward; online, row-split kernels for long rows.",
                 **_COMMON))
