@@ -310,7 +310,8 @@ def test_gpu_cooperative_and_fallback_paths_agree(shape, coop, monkeypatch):
         got = fn(xk)
         (gk,) = torch.autograd.grad(got, xk, dy)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(gk.double(), gwant, rtol=1e-4, atol=1e-6)
+        # dx's elements near zero carry fp32 rounding of y * (dy - c) with |c| ~ 1: absolute, not relative.
+        torch.testing.assert_close(gk.double(), gwant, rtol=1e-4, atol=1e-5)
     if coop:
         real = _coop.launch_rows
         monkeypatch.setattr(_coop, "launch_rows", lambda *a, **k: real(*a, **dict(k, phased=True)))

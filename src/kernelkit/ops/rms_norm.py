@@ -224,11 +224,19 @@ def rms_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, R, S, W, Y, RSTD, stride_x
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
     step = 0
     row = slot
+    # The next row's chunk is loaded before this row's exchange: its bytes are in flight while the group waits.
+    first = ok & (row < M)
+    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=first, other=0.0)
+    if HAS_RESIDUAL:
+        r_next = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=first, other=0.0)
     while row < M:
         r64 = row.to(tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        more = ok & (row + groups < M)
+        x = x_next.to(tl.float32)
+        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=more, other=0.0)
         if HAS_RESIDUAL:
-            s = (x + tl.load(R + r64 * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
+            s = (x + r_next.to(tl.float32)).to(S.dtype.element_ty)
+            r_next = tl.load(R + (r64 + groups) * stride_r + cols, mask=more, other=0.0)
             if PHASE != 2:
                 tl.store(S + r64 * stride_s + cols, s, mask=ok)
             x = s.to(tl.float32)
@@ -256,10 +264,16 @@ def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PA
     dw = tl.zeros([BLOCK_C], dtype=tl.float32)  # the group's share of dweight over its rows, this chunk
     step = 0
     row = slot
+    first = ok & (row < M)  # the next row prefetched, as in the forward
+    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=first, other=0.0)
+    dy_next = tl.load(DY + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0)
     while row < M:
         r64 = row.to(tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+        more = ok & (row + groups < M)
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=more, other=0.0)
+        dy_next = tl.load(DY + (r64 + groups) * stride_dy + cols, mask=more, other=0.0)
         rstd = tl.load(RSTD + row)
         xhat = x * rstd
         wdy = dy * w if HAS_WEIGHT else dy

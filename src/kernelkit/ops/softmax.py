@@ -259,9 +259,14 @@ def softmax_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, Y, stride_x, stride_y, scal
     scale2 = scale * LOG2E
     step = 0
     row = slot
+    # The next row's chunk is loaded (in x's dtype) before this row's exchange, so that its bytes are in flight
+    # while the group waits for each other.
+    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=ok & (row < M), other=0.0)
     while row < M:
         r64 = row.to(tl.int64)
-        z = tl.where(ok, tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32) * scale2, NEG_INF)
+        x = x_next
+        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=ok & (row + groups < M), other=0.0)
+        z = tl.where(ok, x.to(tl.float32) * scale2, NEG_INF)
         m = tl.max(z, axis=0)
         s = tl.sum(tl.exp2(z - tl.where(m == NEG_INF, 0.0, m)), axis=0)
         ms, ss, part_ok = coop_exchange(WS, CNT, slot, row, g, step, m, s, SPLITS, BLOCK_S, PHASE)
@@ -284,10 +289,16 @@ def softmax_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, Y, DX, stride_dy, stride_y
     groups = tl.num_programs(0) // SPLITS
     step = 0
     row = slot
-    while row < M:
+    first = ok & (row < M)
+    dy_next = tl.load(DY + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0)
+    y_next = tl.load(Y + row.to(tl.int64) * stride_y + cols, mask=first, other=0.0)
+    while row < M:  # prefetching the next row as the forward does
         r64 = row.to(tl.int64)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
-        y = tl.load(Y + r64 * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        y = y_next.to(tl.float32)
+        more = ok & (row + groups < M)
+        dy_next = tl.load(DY + (r64 + groups) * stride_dy + cols, mask=more, other=0.0)
+        y_next = tl.load(Y + (r64 + groups) * stride_y + cols, mask=more, other=0.0)
         if LOG:
             part = tl.sum(dy, axis=0)
         else:

@@ -1,0 +1,71 @@
+"""Cooperative rows (ops/_coop.py): time chunk length, warps and programs per SM side by side (GPU), against the
+two-pass paths they replace (COOP off), at the long-row shapes of issue 29.
+
+    PYTHONPATH=src python benchmarks/coop_configs.py --out coop.json
+
+GB/s of ideal bytes (each op's `cost`), triton.testing.do_bench median with the L2 flushed; forward and backward
+(autograd.grad through a kept graph) timed apart.
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+from triton.testing import do_bench
+
+import kernelkit.ops.rms_norm as rms
+import kernelkit.ops.softmax as sm
+from kernelkit.ops import registry
+
+CASES = [("softmax", (1024, 262144), torch.float32), ("softmax", (4096, 32768 + 4096), torch.bfloat16),
+         ("log_softmax", (64, 393216), torch.bfloat16), ("rms_norm", (4096, 32768), torch.bfloat16),
+         ("rms_norm", (1024, 65536), torch.bfloat16), ("rms_norm", (4096, 16384 + 2048), torch.float32)]
+CONFIGS = [dict(zip(("chunk", "bwd_chunk", "warps", "per_sm"), c)) for c in
+           [(8192, 8192, 8, 2), (8192, 4096, 8, 2), (4096, 4096, 4, 4), (4096, 2048, 4, 4), (2048, 2048, 4, 8),
+            (4096, 4096, 8, 2), (2048, 1024, 2, 8), (8192, 8192, 16, 1)]]
+
+
+def _time(spec, shape, dtype):
+    args, kw = spec.make_inputs(shape, dtype, "cuda")
+    args = [a.detach().requires_grad_(i in spec.grad_args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a for i, a in enumerate(args)]
+    out = spec.fn(*args, **kw)
+    out = out[0] if isinstance(out, tuple) else out
+    dy = torch.randn_like(out)
+    ins = [args[i] for i in spec.grad_args]
+    fwd = do_bench(lambda: spec.fn(*args, **kw), return_mode="median")
+    bwd = do_bench(lambda: torch.autograd.grad(out, ins, dy, retain_graph=True), return_mode="median")
+    cf, cb = spec.cost(*args, **kw), spec.cost(*args, backward=True, **kw)
+    return {"fwd_gbps": cf.bytes / fwd / 1e6, "bwd_gbps": cb.bytes / bwd / 1e6, "fwd_ms": fwd, "bwd_ms": bwd}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="coop.json")
+    args = ap.parse_args()
+    rows = []
+    for (op, shape, dtype), cfg in itertools.product(CASES, [None] + CONFIGS):
+        mod = sm if "softmax" in op else rms
+        saved = {k: getattr(mod, k) for k in ("COOP", "COOP_CHUNK", "COOP_BWD_CHUNK", "COOP_WARPS", "COOP_PER_SM")}
+        if cfg is None:
+            mod.COOP = False
+        else:
+            mod.COOP_CHUNK, mod.COOP_BWD_CHUNK, mod.COOP_WARPS, mod.COOP_PER_SM = (
+                cfg["chunk"], cfg["bwd_chunk"], cfg["warps"], cfg["per_sm"])
+        try:
+            r = _time(registry.get(op), shape, dtype)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is a row too
+            r = {"error": repr(e)[:200]}
+        finally:
+            for k, v in saved.items():
+                setattr(mod, k, v)
+        row = {"op": op, "shape": list(shape), "dtype": str(dtype), "config": cfg or "two-pass (COOP off)", **r}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
