@@ -2,10 +2,14 @@
 softmax/log_softmax and RMSNorm/add+RMSNorm, forward and backward, bf16 and fp32, several splits per row, row
 counts that leave groups uneven. Exits non-zero on a wrong result (float64 reference) as well."""
 
+import sys
+
 import torch
 
 import kernelkit
 
+if not torch.cuda.is_available():
+    sys.exit("coop_sanitize: needs a CUDA GPU (the cooperative launch is GPU-only; the interpreter runs it phased)")
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4

@@ -53,6 +53,10 @@ if has sanitize; then
   echo $ops | tr ' ' '\n' | xargs -P "${SANITIZE_JOBS:-1}" -I{} bash -c 'sanitize_one {}' &
   sanitize_pid=$!
   [ "${SANITIZE_JOBS:-1}" = 1 ] && { wait $sanitize_pid; sanitize_pid=; }
+  # `check --small` stays under the cooperative rows' widths: they get their own case (ops/_coop.py)
+  timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
+    python3 scripts/coop_sanitize.py >"$RES/sanitize-coop.log" 2>&1
+  echo "cooperative rows memcheck rc=$?" | tee -a "$RES/sanitize.txt"
 fi
 if has test; then
   sel=()

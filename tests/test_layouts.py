@@ -19,8 +19,12 @@ def _dtype(spec):
     return "float32" if "float32" in spec.dtypes else spec.dtypes[0]
 
 
-# moe_mxfp8's fuzz is the suite's slowest case in the interpreter (about 50 s): `make test-all` runs it.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "moe_mxfp8" else n for n in OPS])
+# The fuzz of moe_mxfp8, moe and attention are the suite's slowest cases in the interpreter (about 50, 45 and 36 s;
+# moe_fp8 and tests/test_attention.py keep the same kernels' layouts in CI): `make test-all` runs them.
+SLOW = {"moe_mxfp8", "moe", "attention"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in OPS])
 def test_every_argument_in_every_layout(name, device):
     spec = registry.get(name)
     report, cases = check_layouts(spec, _dtype(spec), device)

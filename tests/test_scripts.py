@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernelkit.testing import results
 from tests.conftest import INTERPRET
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py"}
+TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py", "coop_sanitize.py"}
 
 
 def run_script(name: str, *argv: str) -> int:
@@ -31,6 +32,11 @@ def run_script(name: str, *argv: str) -> int:
 
 def test_every_script_has_a_case_here():
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} == TESTED
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is gpu_check.sh's sanitize stage")
+def test_coop_sanitize_says_it_needs_a_gpu():
+    assert "needs a CUDA GPU" in str(run_script("coop_sanitize.py"))
 
 
 def test_gpu_check_parses_and_every_script_it_runs_exists():

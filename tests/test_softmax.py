@@ -58,7 +58,7 @@ def coop_rows(monkeypatch):
 
 
 @SPECS
-@pytest.mark.parametrize("shape", [(5, 300), (1, 1000), (7, 257), (3, 2, 700)])
+@pytest.mark.parametrize("shape", [(5, 300), (1, 1000), pytest.param((7, 257), marks=pytest.mark.slow), (3, 2, 700)])
 def test_cooperative_rows(spec, shape, device, coop_rows):
     from kernelkit.testing import compile_check
 
