@@ -18,12 +18,13 @@ import kernelkit.ops.rms_norm as rms
 import kernelkit.ops.softmax as sm
 from kernelkit.ops import registry
 
-CASES = [("softmax", (1024, 262144), torch.float32), ("softmax", (4096, 32768 + 4096), torch.bfloat16),
+CASES = [("softmax", (1024, 262144), torch.float32), ("softmax", (256, 262144), torch.bfloat16),
+         ("softmax", (4096, 32768 + 4096), torch.bfloat16),
          ("log_softmax", (64, 393216), torch.bfloat16), ("rms_norm", (4096, 32768), torch.bfloat16),
          ("rms_norm", (1024, 65536), torch.bfloat16), ("rms_norm", (4096, 16384 + 2048), torch.float32)]
 CONFIGS = [dict(zip(("chunk", "bwd_chunk", "warps", "per_sm"), c)) for c in
-           [(8192, 8192, 8, 2), (8192, 4096, 8, 2), (4096, 4096, 4, 4), (4096, 2048, 4, 4), (2048, 2048, 4, 8),
-            (4096, 4096, 8, 2), (2048, 1024, 2, 8), (8192, 8192, 16, 1)]]
+           [(8192, 8192, 8, 2), (8192, 4096, 8, 2), (4096, 4096, 4, 4), (16384, 8192, 16, 1), (16384, 16384, 16, 2),
+            (8192, 8192, 8, 3), (4096, 4096, 4, 6)]]
 
 
 def _time(spec, shape, dtype):

@@ -8,8 +8,9 @@ the same row, combines them and writes its chunk of the output from the register
 
 The exchange goes through global memory: each group has a counter and two banks of partials (even and odd steps
 of its row loop, so that a program already one row ahead never overwrites partials a slower one still reads). A
-program stores its partials, passes a CTA barrier, adds one to the counter (acq_rel, GPU scope) and spins on the
-counter until the whole group has arrived for this step; the partials are then read with volatile loads. Programs
+program stores its partials, passes a CTA barrier, adds one to the counter (acq_rel, GPU scope) and polls the
+counter (volatile loads) until the whole group has arrived for this step; one more atomic on the counter orders
+what follows after those arrivals, and the partials are read with volatile loads. Programs
 that wait on each other must all be resident at once: the launcher sizes the grid to the kernel's occupancy
 (registers, shared memory and warps of the compiled kernel against the SM's) and launches it as a CUDA cooperative
 grid, which the driver refuses (an error, not a hang) when the grid would not fit.
@@ -65,9 +66,12 @@ def coop_exchange(WS, CNT, slot, row, g, step, a, b, SPLITS: tl.constexpr, BLOCK
         tl.debug_barrier()  # every thread's stores before the arrival
         tl.atomic_add(CNT + slot, 1)
         target = (step + 1) * SPLITS
-        seen = tl.atomic_add(CNT + slot, 0)
+        # Poll with plain volatile loads (a read at L2, not an atomic per poll), then one atomic (acq_rel) that
+        # orders the partials' reads after every arrival it observed.
+        seen = tl.load(CNT + slot, volatile=True)
         while seen < target:
-            seen = tl.atomic_add(CNT + slot, 0)
+            seen = tl.load(CNT + slot, volatile=True)
+        tl.atomic_add(CNT + slot, 0)
         tl.debug_barrier()
     idx = tl.arange(0, BLOCK_S)
     ok = idx < SPLITS
