@@ -339,3 +339,20 @@ def test_gpu_compile_fullgraph():
     f(x).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
+
+
+@pytest.mark.gpu
+def test_gpu_cooperative_grid_too_large_steps_down(monkeypatch):
+    # 4-warp programs asked 8 per SM: more than the driver will co-schedule for a cooperative launch (it refuses
+    # rather than hangs); the launcher steps down the programs per SM and still runs the cooperative rows.
+    from kernelkit.ops import _coop
+
+    monkeypatch.setattr(mod, "COOP_WARPS", 4)
+    monkeypatch.setattr(mod, "COOP_PER_SM", 8)
+    monkeypatch.setattr(mod, "COOP_CHUNK", 4096)
+    ran = []
+    real = _coop.launch_rows
+    monkeypatch.setattr(_coop, "launch_rows", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    x = 3 * torch.randn(64, 393216, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(mod.log_softmax(x).float(), torch.log_softmax(x.float(), -1), atol=0.05, rtol=0.02)
+    assert ran == [True]
