@@ -39,12 +39,15 @@ LOOP_BLOCK_N = 4096
 # Programs per SM the split path aims for: several in flight per SM to cover HBM latency.
 SPLIT_PROGRAMS_PER_SM = 4
 # Cooperative rows (ops/_coop.py) for rows over MAX_FUSED_N: on, the longest chunk one program holds (forward:
-# x; backward: dy and y), its warps, and the programs per SM aimed for.
+# x; backward: dy and y), its warps, and the programs per SM aimed for. H100 (benchmarks/coop_configs.py, results in
+# benchmarks/results/h100/coop_configs.json), GB/s fwd/bwd: fp32 1024x262144 2548/2322 against the two-pass
+# kernels' 1941/1772; bf16 4096x36864 2125/2381 against 1983/1801 (2 per SM: 1888 forward); 4096-column chunks
+# or 16-warp programs were slower.
 COOP = True
 COOP_CHUNK = 8192
 COOP_BWD_CHUNK = 8192
 COOP_WARPS = 8
-COOP_PER_SM = 2
+COOP_PER_SM = 3
 LOG2E = tl.constexpr(1.4426950408889634)  # a kernel may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
