@@ -31,9 +31,6 @@ from ..runtime import cdiv, interpreting, launch, next_pow2, num_sms
 
 # Chunk lengths are multiples of this many elements: aligned vector loads at every chunk start.
 ALIGN = 64
-# How a program waits for its group (coop_exchange): 0 spins on the arrival counter with atomic reads; 1 the same
-# with a nanosleep between polls; 2 the last to arrive raises a flag that the others poll.
-SYNC = 0
 
 
 @triton.jit
@@ -48,15 +45,8 @@ def coop_chunk(pid, N, CHUNK, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _backoff(seen, NS: tl.constexpr):
-    """Sleep about NS ns (Hopper's nanosleep) between polls; returns `seen` so that the sleep stays in the loop."""
-    return tl.inline_asm_elementwise(f"nanosleep.u32 {NS};\n mov.b32 $0, $1;", "=r,r", [seen], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def coop_exchange(WS, CNT, slot, row, g, step, a, b, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  PHASE: tl.constexpr, SYNC: tl.constexpr = 0):
+                  PHASE: tl.constexpr):
     """Publish this program's (a, b) for `row` and return every split's (a, b) of that row as two [BLOCK_S]
     vectors (lanes past SPLITS hold 0) and their mask.
 
@@ -74,23 +64,11 @@ def coop_exchange(WS, CNT, slot, row, g, step, a, b, SPLITS: tl.constexpr, BLOCK
         tl.store(base + SPLITS + g, b)
     if PHASE == 0:
         tl.debug_barrier()  # every thread's stores before the arrival
+        tl.atomic_add(CNT + slot, 1)
         target = (step + 1) * SPLITS
-        if SYNC == 2:
-            # The last to arrive raises the group's flag (its own 128-byte line, after the counters) to the step
-            # count; the others poll the flag, not the counter the arrivals contend on.
-            flag = CNT + tl.num_programs(0) // SPLITS * 32 + slot * 32
-            if tl.atomic_add(CNT + slot * 32, 1) == target - 1:
-                tl.atomic_xchg(flag, step + 1)
-            seen = tl.atomic_add(flag, 0)
-            while seen < step + 1:
-                seen = tl.atomic_add(flag, 0)
-        else:
-            tl.atomic_add(CNT + slot * 32, 1)
-            seen = tl.atomic_add(CNT + slot * 32, 0)
-            while seen < target:
-                if SYNC == 1:
-                    seen = _backoff(seen, 64)
-                seen = tl.atomic_add(CNT + slot * 32, 0)
+        seen = tl.atomic_add(CNT + slot, 0)
+        while seen < target:
+            seen = tl.atomic_add(CNT + slot, 0)
         tl.debug_barrier()
     idx = tl.arange(0, BLOCK_S)
     ok = idx < SPLITS
@@ -167,8 +145,8 @@ def launch_rows(kernel, m: int, n: int, max_chunk: int, args: tuple, kwargs: dic
         for phase in (1, 2):
             launch(kernel, (groups * splits,), None, ws, cnt, m, n, chunk, *args, PHASE=phase, **consts)
         return True
-    coop = dict(consts, PHASE=0, SYNC=SYNC, launch_cooperative_grid=True)
-    cnt = torch.zeros(2 * 32 * per_sm * num_sms(device), dtype=torch.int32, device=device)  # counters, then flags
+    coop = dict(consts, PHASE=0, launch_cooperative_grid=True)
+    cnt = torch.zeros(per_sm * num_sms(device), dtype=torch.int32, device=device)
     key_args = (cnt, cnt, m, n, chunk, *args_of(1))
     per_sm = min(per_sm, resident(kernel, device, key_args, coop))
     while per_sm >= 1:
@@ -177,7 +155,7 @@ def launch_rows(kernel, m: int, n: int, max_chunk: int, args: tuple, kwargs: dic
             return False
         ws = torch.empty(groups * 4 * splits, dtype=torch.float32, device=device)
         try:
-            launch(kernel, (groups * splits,), None, ws, cnt[:2 * 32 * groups], m, n, chunk, *args_of(groups), **coop)
+            launch(kernel, (groups * splits,), None, ws, cnt[:groups], m, n, chunk, *args_of(groups), **coop)
             return True
         except RuntimeError as e:
             # The driver refuses a cooperative grid that would not be resident at once (nothing ran): the

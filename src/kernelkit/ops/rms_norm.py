@@ -217,7 +217,7 @@ def rms_norm_bwd_strip_kernel(DY, X, W, RSTD, C, DS, DX, DW_PARTIAL, stride_dy, 
 @triton.jit
 def rms_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, eps,
                              offset, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr, SYNC: tl.constexpr = 0):
+                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
     slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
     groups = tl.num_programs(0) // SPLITS
     if HAS_WEIGHT:  # this chunk of the weight, loaded once for all the group's rows
@@ -241,7 +241,7 @@ def rms_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, R, S, W, Y, RSTD, stride_x
                 tl.store(S + r64 * stride_s + cols, s, mask=ok)
             x = s.to(tl.float32)
         part = tl.sum(x * x, axis=0)
-        sq, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE, SYNC)
+        sq, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
         if PHASE != 1:
             rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / N + eps)
             y = x * rstd
@@ -256,7 +256,7 @@ def rms_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, R, S, W, Y, RSTD, stride_x
 @triton.jit
 def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PARTIAL, stride_dy, stride_x,
                              stride_ds, stride_dx, offset, HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr,
-                             SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr, SYNC: tl.constexpr = 0):
+                             SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
     slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
     groups = tl.num_programs(0) // SPLITS
     if HAS_WEIGHT:
@@ -278,7 +278,7 @@ def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PA
         xhat = x * rstd
         wdy = dy * w if HAS_WEIGHT else dy
         part = tl.sum(xhat * wdy, axis=0)
-        cs, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE, SYNC)
+        cs, _unused, _ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
         if PHASE != 1:
             c = tl.sum(cs, axis=0) / N
             dx = (wdy - xhat * c) * rstd

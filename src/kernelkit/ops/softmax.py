@@ -256,7 +256,7 @@ def softmax_bwd_split_kernel(DY, Y, DX, PART, stride_dy, stride_y, stride_dx, N,
 @triton.jit
 def softmax_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, Y, stride_x, stride_y, scale, LOG: tl.constexpr,
                             SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                            PHASE: tl.constexpr, SYNC: tl.constexpr = 0):
+                            PHASE: tl.constexpr):
     slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
     groups = tl.num_programs(0) // SPLITS
     scale2 = scale * LOG2E
@@ -272,7 +272,7 @@ def softmax_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, Y, stride_x, stride_y, scal
         z = tl.where(ok, x.to(tl.float32) * scale2, NEG_INF)
         m = tl.max(z, axis=0)
         s = tl.sum(tl.exp2(z - tl.where(m == NEG_INF, 0.0, m)), axis=0)
-        ms, ss, part_ok = coop_exchange(WS, CNT, slot, row, g, step, m, s, SPLITS, BLOCK_S, PHASE, SYNC)
+        ms, ss, part_ok = coop_exchange(WS, CNT, slot, row, g, step, m, s, SPLITS, BLOCK_S, PHASE)
         if PHASE != 1:
             m_all, s_all = _merge_stats(tl.where(part_ok, ms, NEG_INF), ss)
             if LOG:
@@ -287,7 +287,7 @@ def softmax_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, Y, stride_x, stride_y, scal
 @triton.jit
 def softmax_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, Y, DX, stride_dy, stride_y, stride_dx, scale,
                             LOG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr,
-                            BLOCK_S: tl.constexpr, PHASE: tl.constexpr, SYNC: tl.constexpr = 0):
+                            BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
     slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
     groups = tl.num_programs(0) // SPLITS
     step = 0
@@ -306,7 +306,7 @@ def softmax_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, Y, DX, stride_dy, stride_y
             part = tl.sum(dy, axis=0)
         else:
             part = tl.sum(dy * y, axis=0)
-        cs, _unused, part_ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE, SYNC)
+        cs, _unused, part_ok = coop_exchange(WS, CNT, slot, row, g, step, part, part, SPLITS, BLOCK_S, PHASE)
         if PHASE != 1:
             c = tl.sum(cs, axis=0)
             if LOG:
