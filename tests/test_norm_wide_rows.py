@@ -29,16 +29,16 @@ DESIGNS = {
 
 @pytest.fixture(params=list(DESIGNS) + ["cooperative"])
 def wide(request, monkeypatch):
-    """Forces the wide backward for rows over 256 columns, with one strips configuration; or RMSNorm's
-    cooperative rows (ops/_coop.py) forward and backward, in chunks of 128 columns (LayerNorm then takes the
-    default strips)."""
+    """Forces the wide backward for rows over 256 columns, with one strips configuration; or the cooperative rows
+    (ops/_coop.py) of RMSNorm and LayerNorm, forward and backward, in chunks of 128 columns."""
     coop = request.param == "cooperative"
     design = common.WideBackward(4.0, 4, 128, 4) if coop else DESIGNS[request.param]
-    monkeypatch.setattr(mod, "COOP", coop)
-    if coop:
-        monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
-        monkeypatch.setattr(mod, "COOP_CHUNK", 128)
-        monkeypatch.setattr(mod, "COOP_BWD_CHUNK", 128)
+    for module in (mod, ln):
+        monkeypatch.setattr(module, "COOP", coop)
+        if coop:
+            monkeypatch.setattr(module, "MAX_FUSED_N", 256)
+            monkeypatch.setattr(module, "COOP_CHUNK", 128)
+            monkeypatch.setattr(module, "COOP_BWD_CHUNK", 128)
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(mod, "LOOP_BLOCK_N", 128)
     monkeypatch.setattr(mod, "WIDE_BWD", design)
@@ -153,6 +153,7 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
     # plain RMSNorm do not. Scaled down: rows of 300 between the two limits.
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N_FP32_DS", 256)
     monkeypatch.setattr(mod, "COOP", False)
+    monkeypatch.setattr(ln, "COOP", False)
     launches = _launches(monkeypatch, mod)
     check_spec(registry.get(op), (5, 300), dtype, device=device, trials=1).raise_if_failed()
     names = [name for name, _, _ in launches]
@@ -160,21 +161,20 @@ def test_fp32_with_dsummed_leaves_the_fused_backward_earlier(op, dtype, fused, d
     assert ("rms_norm_bwd_strip_kernel" in names) != fused, names
 
 
-def test_wide_rows_take_cooperative_rows_or_the_strips_by_default(device, monkeypatch):
-    # RMSNorm: the cooperative rows forward (past MAX_FUSED_N) and backward (past the fused limit); LayerNorm the
-    # looped forward and the strips.
+def test_wide_rows_take_cooperative_rows_by_default(device, monkeypatch):
+    # The cooperative rows forward (past MAX_FUSED_N) and backward (past the fused limit), in both norms.
     from kernelkit.ops import _coop
 
-    monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
-    monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
-    monkeypatch.setattr(ln, "MAX_FUSED_BWD_N", 256)
-    rms_launches, ln_launches = _launches(monkeypatch, _coop), _launches(monkeypatch, ln)
+    for module in (mod, ln):
+        monkeypatch.setattr(module, "MAX_FUSED_BWD_N", 256)
+        monkeypatch.setattr(module, "MAX_FUSED_N", 256)
+    launches = _launches(monkeypatch, _coop)
     x, w = torch.randn(3, 300, device=device, requires_grad=True), torch.randn(300, device=device, requires_grad=True)
     mod.rms_norm(x, w).sum().backward()
     ln.layer_norm(x, w).sum().backward()
-    rms_names, ln_names = [name for name, _, _ in rms_launches], [name for name, _, _ in ln_launches]
-    assert {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel"} <= set(rms_names), rms_names
-    assert "layer_norm_bwd_strip_kernel" in ln_names, ln_names
+    names = {name for name, _, _ in launches}
+    assert names == {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel", "layer_norm_fwd_coop_kernel",
+                     "layer_norm_bwd_coop_kernel"}, names
 
 
 def test_fused_backward_table_takes_the_first_entry_with_rows_enough():
@@ -263,6 +263,7 @@ def test_gpu_fused_designs_at_real_sizes(shape):
 @pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16")])
 def test_gpu_designs_at_real_widths(design, shape, dtype, monkeypatch):
     monkeypatch.setattr(mod, "COOP", False)
+    monkeypatch.setattr(ln, "COOP", False)
     monkeypatch.setattr(mod, "WIDE_BWD", design)
     monkeypatch.setattr(ln, "WIDE_BWD", design)
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
@@ -274,19 +275,21 @@ def test_cooperative_kernels_compile_for_sm90(monkeypatch):
     # The interpreter runs the phased launches (PHASE 1, 2); the GPU runs PHASE 0, compiled here for sm_90.
     from kernelkit.testing import compile_check
 
-    monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
-    monkeypatch.setattr(mod, "MAX_FUSED_N", 256)
-    monkeypatch.setattr(mod, "COOP_CHUNK", 128)
-    monkeypatch.setattr(mod, "COOP_BWD_CHUNK", 128)
+    for module in (mod, ln):
+        monkeypatch.setattr(module, "MAX_FUSED_BWD_N", 256)
+        monkeypatch.setattr(module, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(module, "COOP_CHUNK", 128)
+        monkeypatch.setattr(module, "COOP_BWD_CHUNK", 128)
     records = []
     with compile_check.record_launches(records):
-        check_spec(registry.get("add_rms_norm"), (3, 300), "bfloat16", device="cpu", trials=1).raise_if_failed()
-        check_spec(registry.get("rms_norm"), (3, 300), "bfloat16", device="cpu", trials=1).raise_if_failed()
+        for op in ("add_rms_norm", "rms_norm", "layer_norm"):
+            check_spec(registry.get(op), (3, 300), "bfloat16", device="cpu", trials=1).raise_if_failed()
     records = [r for r in records if "coop" in r["kernel"]]
     for r in records:
         r["args"]["PHASE"]["value"] = 0
     records = compile_check.unique(records)
-    assert {r["kernel"].split(":")[1] for r in records} == {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel"}
+    assert {r["kernel"].split(":")[1] for r in records} == {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel",
+                                                            "layer_norm_fwd_coop_kernel", "layer_norm_bwd_coop_kernel"}
     failures = compile_check.compile_in_subprocess(records)
     assert not failures, "\n".join(failures)
 
@@ -296,7 +299,8 @@ def test_cooperative_kernels_compile_for_sm90(monkeypatch):
 @pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16"),
                                          ((1024, 131072), "bfloat16"), ((2, 1000003), "float32")])
 def test_gpu_cooperative_rows_at_real_widths(chunks, shape, dtype, monkeypatch):
-    monkeypatch.setattr(mod, "COOP_CHUNK", chunks[0])
-    monkeypatch.setattr(mod, "COOP_BWD_CHUNK", chunks[1])
-    for op in ("rms_norm", "add_rms_norm"):
+    for module in (mod, ln):
+        monkeypatch.setattr(module, "COOP_CHUNK", chunks[0])
+        monkeypatch.setattr(module, "COOP_BWD_CHUNK", chunks[1])
+    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         check_spec(registry.get(op), shape, dtype, device="cuda", trials=1).raise_if_failed()

@@ -1,7 +1,7 @@
 """LayerNorm: y = (x - mean) * rstd * w + b over the last dim, forward and backward.
 
-The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per program when short, a
-looped two-pass kernel for rows over MAX_FUSED_N; a persistent backward whose programs keep their
+The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per program when short, cooperative
+rows (ops/_coop.py) past MAX_FUSED_N on a GPU, else a looped two-pass kernel; a persistent backward whose programs keep their
 share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
 rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
 Holding dw and db as well as w in registers makes the fused backward's limit MAX_FUSED_BWD_N, lower
@@ -22,7 +22,8 @@ import triton.language as tl
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty, empty_like
 from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
-from . import _validate
+from . import _coop, _validate
+from ._coop import coop_chunk, coop_exchange
 from .registry import OpSpec, optional_import, register
 from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
@@ -42,6 +43,14 @@ FUSED_BWD = (FusedBackward(1024, 8, min_rows=32), FusedBackward(2048, 2), FusedB
 # The column-strip backward of wide rows; on the H100 at 16K-64K columns (norm_width_sweep.json) 1630 GB/s in
 # bf16 and 1690 in fp32, where the looped kernel before it ran 590-1200. Tests and benchmarks set others.
 WIDE_BWD = WideBackward(4.0, 4, 512, 4)
+# Cooperative rows (ops/_coop.py), as RMSNorm's: past MAX_FUSED_N (forward) and MAX_FUSED_BWD_N (backward) each row
+# is split over programs that hold their chunk in registers and exchange (mean, M2) of the chunk (forward: Chan's
+# merge, no cancellation for rows with a large mean) or the two row sums of the backward: one read, one write.
+COOP = True
+COOP_CHUNK = 8192
+COOP_BWD_CHUNK = 4096
+COOP_WARPS = 8
+COOP_PER_SM = 2
 
 
 @autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
@@ -102,6 +111,91 @@ def layer_norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, 
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=m)
     tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def layer_norm_fwd_coop_kernel(WS, CNT, M, N, CHUNK, X, W, B, Y, MEAN, RSTD, stride_x, stride_y, eps,
+                               HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
+    n_g = tl.minimum(CHUNK, N - g * CHUNK).to(tl.float32)  # this chunk's columns
+    splits = tl.arange(0, BLOCK_S)
+    n_all = tl.maximum(tl.minimum(CHUNK, N - splits * CHUNK), 0).to(tl.float32)  # every chunk's (0 past SPLITS)
+    step = 0
+    row = slot
+    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=ok & (row < M), other=0.0)
+    while row < M:  # the next row prefetched before this row's exchange, as RMSNorm's
+        r64 = row.to(tl.int64)
+        x = x_next.to(tl.float32)
+        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=ok & (row + groups < M), other=0.0)
+        mean_g = tl.sum(x, axis=0) / n_g
+        xc = tl.where(ok, x - mean_g, 0.0)
+        means, m2s, part_ok = coop_exchange(WS, CNT, slot, row, g, step, mean_g, tl.sum(xc * xc, axis=0), SPLITS,
+                                            BLOCK_S, PHASE)
+        if PHASE != 1:
+            mean = tl.sum(n_all * means, axis=0) / N
+            d = tl.where(part_ok, means - mean, 0.0)
+            rstd = tl.math.rsqrt(tl.sum(m2s + n_all * d * d, axis=0) / N + eps)
+            y = (x - mean) * rstd
+            if HAS_WEIGHT:
+                y = y * w
+            if HAS_BIAS:
+                y = y + b
+            tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+            tl.store(MEAN + row, mean, mask=g == 0)
+            tl.store(RSTD + row, rstd, mask=g == 0)
+        row += groups
+        step += 1
+
+
+@triton.jit
+def layer_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy,
+                               stride_x, stride_dx, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+                               PHASE: tl.constexpr):
+    slot, g, cols, ok = coop_chunk(tl.program_id(0), N, CHUNK, SPLITS, BLOCK_C)
+    groups = tl.num_programs(0) // SPLITS
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_C], dtype=tl.float32)  # the group's shares of dweight and dbias, this chunk
+    db = tl.zeros([BLOCK_C], dtype=tl.float32)
+    step = 0
+    row = slot
+    first = ok & (row < M)
+    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=first, other=0.0)
+    dy_next = tl.load(DY + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0)
+    while row < M:
+        r64 = row.to(tl.int64)
+        more = ok & (row + groups < M)
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=more, other=0.0)
+        dy_next = tl.load(DY + (r64 + groups) * stride_dy + cols, mask=more, other=0.0)
+        rstd = tl.load(RSTD + row)
+        xhat = tl.where(ok, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        wdy = dy * w if HAS_WEIGHT else dy
+        c1s, c2s, _ok = coop_exchange(WS, CNT, slot, row, g, step, tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0),
+                                      SPLITS, BLOCK_S, PHASE)
+        if PHASE != 1:
+            c1 = tl.sum(c1s, axis=0) / N
+            c2 = tl.sum(c2s, axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+            tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+            if HAS_WEIGHT:
+                dw += dy * xhat
+            if HAS_BIAS:
+                db += dy
+        row += groups
+        step += 1
+    if HAS_WEIGHT and PHASE != 1:
+        tl.store(DW_PARTIAL + slot.to(tl.int64) * N + cols, dw, mask=ok)
+    if HAS_BIAS and PHASE != 1:
+        tl.store(DB_PARTIAL + slot.to(tl.int64) * N + cols, db, mask=ok)
 
 
 @autotune(row_tile_configs(warps=(4, 8, 16)), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
@@ -242,7 +336,9 @@ def layer_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
         launch(layer_norm_fwd_kernel, grid, (n, *flags.values(), x.dtype, w.dtype, b.dtype),
                x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), m, n, eps, **flags,
                BLOCK_N=next_pow2(n))
-    else:
+    elif not (COOP and _coop.launch_rows(layer_norm_fwd_coop_kernel, m, n, COOP_CHUNK,
+                                         (x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), eps),
+                                         dict(flags, num_warps=COOP_WARPS), x.device, per_sm=COOP_PER_SM)):
         launch(layer_norm_fwd_looped_kernel, (m,), None, x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), n, eps,
                **flags, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
     return y, mean, rstd
@@ -260,6 +356,22 @@ def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, 
            dy2.stride(0), x2.stride(0), dx2.stride(0), m, n, per_group, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
            BLOCK_N=cfg.block_n, ROWS=cfg.rows, num_warps=cfg.num_warps)
     return dw_part, db_part
+
+
+def _coop_bwd(m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b):
+    """Launch the cooperative backward; returns its (groups, n) dw and db partials, or None where it does not
+    apply (nothing launched)."""
+    parts = []
+
+    def args(groups):
+        new = lambda on: empty((groups, n), dtype=torch.float32, device=x2.device) if on else x2  # noqa: E731
+        parts[:] = [new(has_w), new(has_b)]
+        return (dy2, x2, w, mean, rstd, dx2, *parts, dy2.stride(0), x2.stride(0), dx2.stride(0))
+
+    ok = _coop.launch_rows(layer_norm_bwd_coop_kernel, m, n, COOP_BWD_CHUNK, args,
+                           {"HAS_WEIGHT": has_w, "HAS_BIAS": has_b, "num_warps": COOP_WARPS}, x2.device,
+                           per_sm=COOP_PER_SM)
+    return tuple(parts) if ok else None
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -291,7 +403,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
         launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), dy2, x2, w, mean,
                rstd, dx2, dw_part, db_part, *strides, m, n, **flags, BLOCK_N=block_n, STAGES=cfg.stages)
     else:
-        dw_part, db_part = _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b)
+        parts = _coop_bwd(m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b) if COOP else None
+        dw_part, db_part = parts or _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b)
     dw = column_sum(dw_part, weight, sms) if has_w else none
     db = column_sum(db_part, bias, sms) if has_b else none
     return dx, dw, db
