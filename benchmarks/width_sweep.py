@@ -4,6 +4,7 @@
         [--widths 1024,...,393216] [--dtypes bfloat16,float32] [--elements 67108864] [--modes fwd,bwd]
         [--compile] [--budget-s 420]
     python benchmarks/width_sweep.py --plot sweep.json --plot-dir docs/img   # on any machine, from the JSON
+    python benchmarks/width_sweep.py --table sweep.json [sweep2.json ...]     # the markdown table of docs/
 
 Each width N gets M = elements / N rows (64M elements: 128 MB of bf16 input, 256 MB of fp32). Every row is
 `kernelkit bench`'s own measurement (testing/suite.run_suite: triton.testing.do_bench median, L2 flushed, inputs
@@ -110,6 +111,30 @@ def _plot(path: str, plot_dir: str) -> list[Path]:
     return written
 
 
+def _table(paths: list[str]) -> str:
+    """Markdown: per (op, dtype, mode, N) kernelkit's GB/s and % of copy, quack's and the ratio, the best other."""
+    lines = ["| op | dtype | mode | N | kernelkit GB/s | % copy | quack GB/s | kernelkit / quack | best other |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        cells: dict = {}
+        for r in data["rows"]:
+            if r.get("gbps"):
+                cells.setdefault((r["op"], r["dtype"], r["mode"], r["N"]), {})[r["impl"]] = (r["gbps"], r["pct_copy"])
+        for (op, dtype, mode, n), impls in cells.items():
+            kk = impls.get("kernelkit")
+            if kk is None:
+                continue
+            q = impls.get("quack")
+            others = {k: v for k, v in impls.items() if k not in ("kernelkit", "quack")}
+            best = max(others.items(), key=lambda kv: kv[1][0]) if others else None
+            lines.append(
+                f"| {op} | {dtype} | {mode} | {n} | {kk[0]:.0f} | {kk[1]:.0f}% | "
+                + (f"{q[0]:.0f} | **{kk[0] / q[0]:.2f}** |" if q else "— | — |")
+                + (f" {best[0]} {best[1][0]:.0f} |" if best else " — |"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="width_sweep.json")
@@ -122,7 +147,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--plot", help="a sweep JSON to plot instead of measuring")
     ap.add_argument("--plot-dir", default="docs/img")
+    ap.add_argument("--table", nargs="+", help="sweep JSONs to print as one markdown table")
     args = ap.parse_args()
+    if args.table:
+        print(_table(args.table))
+        return
     if args.plot:
         for p in _plot(args.plot, args.plot_dir):
             print(p)
