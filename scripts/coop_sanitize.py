@@ -1,5 +1,5 @@
 """The cooperative-row kernels (ops/_coop.py) at sizes that take them, for compute-sanitizer memcheck on the GPU:
-softmax/log_softmax and RMSNorm/add+RMSNorm, forward and backward, bf16 and fp32, several splits per row, row
+softmax/log_softmax, RMSNorm/add+RMSNorm and LayerNorm, forward and backward, bf16 and fp32, several splits per row, row
 counts that leave groups uneven. Exits non-zero on a wrong result (float64 reference) as well."""
 
 import sys
@@ -38,6 +38,16 @@ for dtype in (torch.float32, torch.bfloat16):
         for got, want, what in ((y, yr, "y"), (gx, gxr, "dx"), (gw, gwr, "dw")):
             err = ((got.double() - want).norm() / want.norm()).item()
             assert err < tol, ("rms_norm", dtype, m, n, what, err)
+        b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+        xs = (x.detach() + 50).requires_grad_()  # LayerNorm's merge of chunk means: rows with a large mean
+        y = kernelkit.layer_norm(xs, w, b)
+        gx, gw, gb = torch.autograd.grad(y, (xs, w, b), dy)
+        xr, wr, br = (t.detach().double().requires_grad_() for t in (xs, w, b))
+        yr = torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5)
+        grads = torch.autograd.grad(yr, (xr, wr, br), dy.double())
+        for got, want, what in ((y, yr, "y"), (gx, grads[0], "dx"), (gw, grads[1], "dw"), (gb, grads[2], "db")):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < tol, ("layer_norm", dtype, m, n, what, err)
         out = kernelkit.add_rms_norm(x, r, w)
         y2, s2 = out if isinstance(out, tuple) else (out, None)
         torch.autograd.grad([t for t in (y2, s2) if t is not None], (x, r, w),
