@@ -162,6 +162,7 @@ def test_bench_model_precision_fp8_puts_fp8_rows_next_to_bf16():
     from kernelkit.testing.model_bench import VARIANTS, fp8_variants
 
     got = fp8_variants(("eager", "kernelkit", "kernelkit+compile"))
-    assert got == ("eager", "kernelkit", "kernelkit-fp8", "kernelkit+compile", "kernelkit-fp8+compile")
+    assert got == ("eager", "kernelkit", "kernelkit-fp8", "torchao-fp8", "kernelkit+compile", "kernelkit-fp8+compile",
+                   "torchao-fp8+compile")
     assert set(got) <= set(VARIANTS)
-    assert fp8_variants(("kernelkit", "kernelkit-fp8")) == ("kernelkit", "kernelkit-fp8")
+    assert fp8_variants(("kernelkit", "kernelkit-fp8")) == ("kernelkit", "kernelkit-fp8", "torchao-fp8")

@@ -1,6 +1,7 @@
 """The model benchmark's pieces that need no GPU: configs, the table, the plot."""
 
 import json
+import sys
 
 import pytest
 
@@ -36,3 +37,39 @@ def test_table_and_plot_from_rows(tmp_path):
     assert "model.norm.weight" in text and "not installed" in text and "1.43" in text
     mb.plot_rows(rows, tmp_path / "m.png", {"example": "llama", "layers": 2, "batch": 4, "seq": 2048})
     assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_torchao_variants_are_known_and_follow_kernelkit_fp8():
+    assert {"torchao-fp8", "torchao-fp8+compile"} <= set(mb.VARIANTS)
+    got = mb.fp8_variants(("eager", "kernelkit+compile"))
+    assert got == ("eager", "kernelkit+compile", "kernelkit-fp8+compile", "torchao-fp8+compile")
+
+
+def test_torchao_variant_without_torchao_is_a_skipped_row_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao...` now raises ImportError, as on CPU CI
+    for variant in ("torchao-fp8", "torchao-fp8+compile"):
+        path = tmp_path / f"{variant}.json"
+        mb.main(["--variant", variant, "--example", "llama", "--layers", "1", "--seq", "64", "--json", str(path)])
+        row = json.loads(path.read_text())
+        assert row["variant"] == variant and "step_ms" not in row
+        assert row["skipped"].startswith("torchao is not installed")
+
+
+def test_torchao_filter_picks_the_linears_kernelkit_fp8_runs_in_fp8():
+    import torch
+
+    from kernelkit.patch import patch
+    from tests.test_patch import tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=2)
+    keep = mb.torchao_fp8_filter(model)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    picked = {n for n, m in linears if keep(m, n)}
+    assert "lm_head" in dict(linears) and "lm_head" not in picked
+    assert picked == {f"model.layers.{i}.{p}" for i in range(2) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    # the same set kernelkit's fp8 patch rebinds (each one gets an instance forward)
+    patch(model, rms_norm=False, mlp=False, rope=False, attention=False, cross_entropy=False, moe=False,
+          precision="fp8")
+    assert picked == {n for n, m in linears if "forward" in vars(m)}

@@ -159,14 +159,16 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
           seq: int = typer.Option(2048, help="bench model: tokens per sequence"),
           steps: int = typer.Option(5, min=1, help="bench model: timed steps per variant (the median is reported)"),
           precision: str = typer.Option("bf16", help="bench model: fp8 adds, after each kernelkit variant, the same "
-                                                      "with kernelkit.patch(model, precision='fp8')"),
+                                                      "with kernelkit.patch(model, precision='fp8') and with "
+                                                      "torchao's float8 training (rowwise) as the anchor"),
           nproc: int = typer.Option(1, min=1, help="bench model: GPUs of this host; above 1, the FSDP2 training step "
                                                    "(kernelkit.patch vs unpatched, AdamW) under torchrun on N GPUs and "
                                                    "on one: tokens/s per GPU and in total, scaling efficiency, peak "
                                                    "memory per rank (Llama-3-8B layer shapes)"),
           variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
                                        help="bench model: comma list of variants (also kernelkit-always, "
-                                            "kernelkit-always+compile: every switch forced to kernelkit)")):
+                                            "kernelkit-always+compile: every switch forced to kernelkit; "
+                                            "kernelkit-fp8, torchao-fp8 and their +compile)")):
     """Side-by-side benchmark of an op: kernelkit vs eager vs torch.compile vs anchors.
 
     `kernelkit bench model` times a Hugging Face causal LM instead: one training step and one prefill per

@@ -1,11 +1,11 @@
 """`kernelkit bench model`: a Hugging Face causal LM, one training step and one prefill, per variant.
 
-Variants — eager (HF, SDPA attention), torch.compile, Liger-Kernel (when installed), kernelkit.patch, and
-kernelkit.patch + torch.compile — each run in a process of their own (a patch, a compile cache or an
-allocator state must not leak into the next row), on the same random weights and the same batch (both
-seeded). Each reports tokens/s of a training step (forward with labels, loss, backward) and of a prefill
-(forward without labels, last-token logits), peak memory, the loss, and the agreement of every
-parameter's gradient with eager's (the worst parameter is named).
+Variants — eager (HF, SDPA attention), torch.compile, Liger-Kernel (when installed), kernelkit.patch,
+kernelkit.patch + torch.compile, and in fp8 kernelkit's and torchao's (the anchor, when installed) — each run
+in a process of their own (a patch, a compile cache or an allocator state must not leak into the next row),
+on the same random weights and the same batch (both seeded). Each reports tokens/s of a training step
+(forward with labels, loss, backward) and of a prefill (forward without labels, last-token logits), peak
+memory, the loss, and the agreement of every parameter's gradient with eager's (the worst parameter is named).
 
     python -m kernelkit.testing.model_bench --variant eager --out row.json   # one row, in this process
 """
@@ -26,9 +26,10 @@ from pathlib import Path
 # kernelkit-always: every switch forced to kernelkit.
 # ...+compile-ro: torch.compile(mode="reduce-overhead"), CUDA graphs around the compiled regions.
 # kernelkit-fp8: kernelkit.patch(model, precision="fp8"), the decoder layers' Linear GEMMs in fp8.
+# torchao-fp8: the unpatched model with torchao's float8 training on the same Linears (`apply_torchao_fp8`).
 VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile", "kernelkit-always",
             "kernelkit-always+compile", "torch.compile-ro", "kernelkit+compile-ro", "kernelkit-fp8",
-            "kernelkit-fp8+compile")
+            "kernelkit-fp8+compile", "torchao-fp8", "torchao-fp8+compile")
 
 # Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
 LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -40,17 +41,49 @@ EXAMPLES = {"llama": LLAMA, "llama-1b": LLAMA_1B}
 
 
 def fp8_variants(variants) -> tuple:
-    """`bench model --precision fp8`: each kernelkit variant followed by its fp8 counterpart (kernelkit ->
-    kernelkit-fp8, kernelkit+compile -> kernelkit-fp8+compile), so the fp8 rows sit next to the bf16 ones."""
+    """`bench model --precision fp8`: each kernelkit variant followed by its fp8 counterparts, kernelkit's and
+    torchao's (kernelkit -> kernelkit-fp8, torchao-fp8; kernelkit+compile -> kernelkit-fp8+compile,
+    torchao-fp8+compile), so the fp8 rows sit next to the bf16 ones."""
     out = []
     for v in variants:
-        if v not in out:
-            out.append(v)
-        if v in ("kernelkit", "kernelkit+compile"):
-            twin = v.replace("kernelkit", "kernelkit-fp8", 1)
-            if twin not in out:
-                out.append(twin)
+        twins = (v.replace("kernelkit", "kernelkit-fp8", 1), v.replace("kernelkit", "torchao-fp8", 1)) \
+            if v in ("kernelkit", "kernelkit+compile") else ()
+        out += [w for w in (v, *twins) if w not in out]
     return tuple(out)
+
+
+def torchao_fp8_filter(model):
+    """torchao's `module_filter_fn(module, fqn)` for this model: True for exactly the Linears kernelkit-fp8 runs
+    in fp8. The rule is kernelkit.patch's (`_patch_fp8`): every plain nn.Linear inside the decoder layers
+    (model.model.layers); the embeddings and lm_head stay bf16."""
+    import torch
+
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    # id -> module: the references keep a swapped-out module's id from being reused while the filter lives
+    chosen = {} if not isinstance(layers, torch.nn.ModuleList) else {
+        id(m): m for layer in layers for m in layer.modules()
+        if type(m) is torch.nn.Linear and "forward" not in vars(m)}
+    return lambda module, fqn: chosen.get(id(module)) is module
+
+
+def apply_torchao_fp8(model) -> str:
+    """torchao-fp8 and torchao-fp8+compile, the fp8 anchor: torchao's float8 training, rowwise recipe (e4m3,
+    rowwise scales, forward and both backward GEMMs through torch._scaled_mm), on `torchao_fp8_filter`'s
+    Linears. Raises ImportError without torchao; returns what was converted.
+
+    torchao 0.17.0 is the release built for torch 2.11; float8 training is its Python only. The GPU machine has
+    no network: the wheel is downloaded beforehand into the git-ignored .whl/torchao/ (carried to the machine)
+    and installed there with
+        python3 -m pip install --no-index --no-deps --target /tmp/ao .whl/torchao/*.whl
+        export PYTHONPATH=/tmp/ao:$PWD/src   # each variant's process inherits it
+    """
+    import torchao
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=torchao_fp8_filter(model))
+    swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    return f"torchao {torchao.__version__} float8 rowwise: {swapped} decoder-layer nn.Linear -> Float8Linear"
 
 
 def build_config(example: str | None, config_path: str | None, layers: int | None, seq: int):
@@ -92,6 +125,11 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     from transformers import AutoModelForCausalLM
 
     row: dict = {"variant": variant}
+    if variant.startswith("torchao"):  # before the model is built: CPU CI has no torchao, and no GPU
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as e:
+            return {**row, "skipped": f"torchao is not installed (import torchao.float8: {e})"}
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
@@ -115,6 +153,8 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
         else:
             report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
                            moe="auto", precision=precision)
+    if variant.startswith("torchao"):
+        row["patch"] = apply_torchao_fp8(model)
     run = torch.compile(model) if variant.endswith("compile") else \
         torch.compile(model, mode="reduce-overhead") if variant.endswith("compile-ro") else model
 
