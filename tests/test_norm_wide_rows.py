@@ -39,6 +39,8 @@ def wide(request, monkeypatch):
             monkeypatch.setattr(module, "MAX_FUSED_N", 256)
             monkeypatch.setattr(module, "COOP_CHUNK", 128)
             monkeypatch.setattr(module, "COOP_BWD_CHUNK", 128)
+    if coop:
+        monkeypatch.setattr(mod, "COOP_BWD_CHUNK_FP32", 192)  # fp32 rows: three chunks, the last short
     monkeypatch.setattr(mod, "MAX_FUSED_BWD_N", 256)
     monkeypatch.setattr(mod, "LOOP_BLOCK_N", 128)
     monkeypatch.setattr(mod, "WIDE_BWD", design)
@@ -302,5 +304,6 @@ def test_gpu_cooperative_rows_at_real_widths(chunks, shape, dtype, monkeypatch):
     for module in (mod, ln):
         monkeypatch.setattr(module, "COOP_CHUNK", chunks[0])
         monkeypatch.setattr(module, "COOP_BWD_CHUNK", chunks[1])
+    monkeypatch.setattr(mod, "COOP_BWD_CHUNK_FP32", chunks[1])
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         check_spec(registry.get(op), shape, dtype, device="cuda", trials=1).raise_if_failed()

@@ -68,6 +68,9 @@ WIDE_BWD = WideBackward(4.0, 4, 512, 4)
 COOP = True
 COOP_CHUNK = 8192
 COOP_BWD_CHUNK = 4096
+# fp32 backward chunks: at 4096x18432, 2202 GB/s in chunks of 8192 against 1586 in 4096 (H100, coop_configs); bf16
+# went the other way at 32768 and 65536 columns (2001 and 1851 in 4096, 1750 and 1584 in 8192).
+COOP_BWD_CHUNK_FP32 = 8192
 COOP_WARPS = 8
 COOP_PER_SM = 2
 
@@ -371,7 +374,8 @@ def _coop_bwd(m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds):
         return (dy2, x2, w, rstd, ds2, dx2, partial[0], dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
                 offset)
 
-    ok = _coop.launch_rows(rms_norm_bwd_coop_kernel, m, n, COOP_BWD_CHUNK, args,
+    chunk = COOP_BWD_CHUNK_FP32 if x2.dtype == torch.float32 else COOP_BWD_CHUNK
+    ok = _coop.launch_rows(rms_norm_bwd_coop_kernel, m, n, chunk, args,
                            {"HAS_WEIGHT": has_w, "HAS_DS": has_ds, "num_warps": COOP_WARPS}, x2.device,
                            per_sm=COOP_PER_SM)
     return partial[0] if ok else None
