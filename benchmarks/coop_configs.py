@@ -1,5 +1,6 @@
 """Cooperative rows (ops/_coop.py): time chunk length, warps and programs per SM side by side (GPU), against the
-two-pass paths they replace (COOP off), at the long-row shapes of issue 29.
+two-pass paths they replace (COOP off), at the long-row shapes of issue 29. The cases and configs are those of the latest run (results in
+benchmarks/results/h100/coop_configs.json and benchmarks/experiments/h100/2026-11-26-width-sweep/).
 
     PYTHONPATH=src python benchmarks/coop_configs.py --out coop.json
 
@@ -14,17 +15,17 @@ import json
 import torch
 from triton.testing import do_bench
 
+import kernelkit.ops.layer_norm as ln
 import kernelkit.ops.rms_norm as rms
 import kernelkit.ops.softmax as sm
 from kernelkit.ops import registry
 
-CASES = [("softmax", (1024, 262144), torch.float32), ("softmax", (256, 262144), torch.bfloat16),
-         ("softmax", (4096, 32768 + 4096), torch.bfloat16),
-         ("log_softmax", (64, 393216), torch.bfloat16), ("rms_norm", (4096, 32768), torch.bfloat16),
-         ("rms_norm", (1024, 65536), torch.bfloat16), ("rms_norm", (4096, 16384 + 2048), torch.float32)]
+CASES = [("layer_norm", (1024, 65536), torch.bfloat16), ("layer_norm", (4096, 18432), torch.bfloat16),
+         ("layer_norm", (2048, 32768), torch.float32), ("rms_norm", (2048, 32768), torch.float32),
+         ("rms_norm", (1024, 65536), torch.bfloat16)]
 CONFIGS = [dict(zip(("chunk", "bwd_chunk", "warps", "per_sm"), c)) for c in
-           [(8192, 8192, 8, 2), (8192, 4096, 8, 2), (4096, 4096, 4, 4), (16384, 8192, 16, 1), (16384, 16384, 16, 2),
-            (8192, 8192, 8, 3), (4096, 4096, 4, 6)]]
+           [(8192, 4096, 8, 2), (8192, 8192, 8, 2), (4096, 2048, 8, 2), (4096, 2048, 8, 3), (4096, 4096, 8, 2),
+            (4096, 2048, 4, 4), (2048, 2048, 4, 4)]]
 
 
 def _time(spec, shape, dtype):
@@ -47,13 +48,17 @@ def main():
     args = ap.parse_args()
     rows = []
     for (op, shape, dtype), cfg in itertools.product(CASES, [None] + CONFIGS):
-        mod = sm if "softmax" in op else rms
-        saved = {k: getattr(mod, k) for k in ("COOP", "COOP_CHUNK", "COOP_BWD_CHUNK", "COOP_WARPS", "COOP_PER_SM")}
+        mod = sm if "softmax" in op else ln if op == "layer_norm" else rms
+        names = ("COOP", "COOP_CHUNK", "COOP_BWD_CHUNK", "COOP_WARPS", "COOP_PER_SM") + (
+            ("COOP_BWD_CHUNK_FP32",) if mod is rms else ())
+        saved = {k: getattr(mod, k) for k in names}
         if cfg is None:
             mod.COOP = False
         else:
             mod.COOP_CHUNK, mod.COOP_BWD_CHUNK, mod.COOP_WARPS, mod.COOP_PER_SM = (
                 cfg["chunk"], cfg["bwd_chunk"], cfg["warps"], cfg["per_sm"])
+            if mod is rms:
+                mod.COOP_BWD_CHUNK_FP32 = cfg["bwd_chunk"]
         try:
             r = _time(registry.get(op), shape, dtype)
         except Exception as e:  # noqa: BLE001 - a config that does not fit is a row too

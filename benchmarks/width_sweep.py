@@ -33,8 +33,17 @@ def _sweep(args) -> None:
     from kernelkit.testing.suite import run_suite
     from kernelkit.hw.ceilings import device_fingerprint
 
+    import importlib
+
+    for item in args.set:
+        name, value = item.split("=", 1)
+        module, const = name.rsplit(".", 1)
+        mod = importlib.import_module(f"kernelkit.ops.{module}")
+        getattr(mod, const)  # an unknown name is an error, not a silent new attribute
+        setattr(mod, const, type(getattr(mod, const))(value) if not isinstance(getattr(mod, const), bool)
+                else value.lower() in ("1", "true"))
     ceilings = measure_ceilings()
-    out = {"config": {"elements": args.elements, "rows": "elements / N", "modes": args.modes,
+    out = {"config": {"elements": args.elements, "rows": "elements / N", "modes": args.modes, "set": args.set,
                       "timing": "kernelkit bench's run_suite: do_bench median, L2 flushed"},
            "env": {"gpu": ceilings.gpu, "torch": torch.__version__, "fingerprint": device_fingerprint()},
            "copy_gbps": ceilings.copy_gbps, "rows": []}
@@ -145,6 +154,8 @@ def main() -> None:
     ap.add_argument("--modes", default="fwd,bwd")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override an op module's routing constant, e.g. layer_norm.COOP_CHUNK=4096 (recorded)")
     ap.add_argument("--plot", help="a sweep JSON to plot instead of measuring")
     ap.add_argument("--plot-dir", default="docs/img")
     ap.add_argument("--table", nargs="+", help="sweep JSONs to print as one markdown table")
