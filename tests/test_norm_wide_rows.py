@@ -33,6 +33,7 @@ def wide(request, monkeypatch):
     (ops/_coop.py) of RMSNorm and LayerNorm, forward and backward, in chunks of 128 columns."""
     coop = request.param == "cooperative"
     design = common.WideBackward(4.0, 4, 128, 4) if coop else DESIGNS[request.param]
+    monkeypatch.setattr(ln, "COOP_DTYPES", (torch.float32, torch.bfloat16, torch.float16))  # the kernels in every dtype, whatever the routing
     for module in (mod, ln):
         monkeypatch.setattr(module, "COOP", coop)
         if coop:
@@ -177,6 +178,13 @@ def test_wide_rows_take_cooperative_rows_by_default(device, monkeypatch):
     names = {name for name, _, _ in launches}
     assert names == {"rms_norm_fwd_coop_kernel", "rms_norm_bwd_coop_kernel", "layer_norm_fwd_coop_kernel",
                      "layer_norm_bwd_coop_kernel"}, names
+    # LayerNorm's 16-bit rows keep the looped forward and the strips (measured faster on the H100)
+    launches.clear()
+    ln_launches = _launches(monkeypatch, ln)
+    xb = x.detach().bfloat16().requires_grad_()
+    ln.layer_norm(xb, w.detach().bfloat16()).sum().backward()
+    assert not launches and {"layer_norm_fwd_looped_kernel", "layer_norm_bwd_strip_kernel"} <= {
+        name for name, _, _ in ln_launches}, ln_launches
 
 
 def test_fused_backward_table_takes_the_first_entry_with_rows_enough():
@@ -277,6 +285,7 @@ def test_cooperative_kernels_compile_for_sm90(monkeypatch):
     # The interpreter runs the phased launches (PHASE 1, 2); the GPU runs PHASE 0, compiled here for sm_90.
     from kernelkit.testing import compile_check
 
+    monkeypatch.setattr(ln, "COOP_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     for module in (mod, ln):
         monkeypatch.setattr(module, "MAX_FUSED_BWD_N", 256)
         monkeypatch.setattr(module, "MAX_FUSED_N", 256)
@@ -301,6 +310,7 @@ def test_cooperative_kernels_compile_for_sm90(monkeypatch):
 @pytest.mark.parametrize("shape,dtype", [((37, 32768), "bfloat16"), ((300, 20000), "float32"), ((3, 65537), "bfloat16"),
                                          ((1024, 131072), "bfloat16"), ((2, 1000003), "float32")])
 def test_gpu_cooperative_rows_at_real_widths(chunks, shape, dtype, monkeypatch):
+    monkeypatch.setattr(ln, "COOP_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     for module in (mod, ln):
         monkeypatch.setattr(module, "COOP_CHUNK", chunks[0])
         monkeypatch.setattr(module, "COOP_BWD_CHUNK", chunks[1])

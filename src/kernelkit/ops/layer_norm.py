@@ -1,7 +1,7 @@
 """LayerNorm: y = (x - mean) * rstd * w + b over the last dim, forward and backward.
 
 The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per program when short, cooperative
-rows (ops/_coop.py) past MAX_FUSED_N on a GPU, else a looped two-pass kernel; a persistent backward whose programs keep their
+rows (ops/_coop.py) past MAX_FUSED_N for fp32 rows (COOP_DTYPES), else a looped two-pass kernel; a persistent backward whose programs keep their
 share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
 rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
 Holding dw and db as well as w in registers makes the fused backward's limit MAX_FUSED_BWD_N, lower
@@ -46,11 +46,16 @@ WIDE_BWD = WideBackward(4.0, 4, 512, 4)
 # Cooperative rows (ops/_coop.py), as RMSNorm's: past MAX_FUSED_N (forward) and MAX_FUSED_BWD_N (backward) each row
 # is split over programs that hold their chunk in registers and exchange (mean, M2) of the chunk (forward: Chan's
 # merge, no cancellation for rows with a large mean) or the two row sums of the backward: one read, one write.
+# Measured on the H100 (benchmarks/coop_configs.py, width_sweep.py; 2026-11-26-width-sweep): for fp32 rows they
+# beat the looped forward and the strips (backward 1854-1998 GB/s at 16K-64K columns against 1686 for the strips);
+# for 16-bit rows they lost both ways (forward 1456-1805 vs 1796 at 64K, backward 1107-1508 vs 1622: with x, dy, w,
+# dw and db per element in registers one SM holds too few programs), so COOP_DTYPES leaves 16-bit rows to those.
 COOP = True
-COOP_CHUNK = 8192
-COOP_BWD_CHUNK = 4096
+COOP_DTYPES = (torch.float32,)
+COOP_CHUNK = 4096
+COOP_BWD_CHUNK = 2048
 COOP_WARPS = 8
-COOP_PER_SM = 2
+COOP_PER_SM = 3
 
 
 @autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_BIAS"],
@@ -336,7 +341,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
         launch(layer_norm_fwd_kernel, grid, (n, *flags.values(), x.dtype, w.dtype, b.dtype),
                x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), m, n, eps, **flags,
                BLOCK_N=next_pow2(n))
-    elif not (COOP and _coop.launch_rows(layer_norm_fwd_coop_kernel, m, n, COOP_CHUNK,
+    elif not (COOP and x.dtype in COOP_DTYPES and _coop.launch_rows(layer_norm_fwd_coop_kernel, m, n, COOP_CHUNK,
                                          (x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), eps),
                                          dict(flags, num_warps=COOP_WARPS), x.device, per_sm=COOP_PER_SM)):
         launch(layer_norm_fwd_looped_kernel, (m,), None, x2, w, b, y2, mean, rstd, x2.stride(0), y2.stride(0), n, eps,
@@ -403,7 +408,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
         launch(layer_norm_bwd_kernel, (programs,), (n, has_w, has_b, x.dtype, dy.dtype, w.dtype), dy2, x2, w, mean,
                rstd, dx2, dw_part, db_part, *strides, m, n, **flags, BLOCK_N=block_n, STAGES=cfg.stages)
     else:
-        parts = _coop_bwd(m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b) if COOP else None
+        coop = COOP and x.dtype in COOP_DTYPES
+        parts = _coop_bwd(m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b) if coop else None
         dw_part, db_part = parts or _wide_bwd(WIDE_BWD, sms, m, n, dy2, x2, w, mean, rstd, dx2, has_w, has_b)
     dw = column_sum(dw_part, weight, sms) if has_w else none
     db = column_sum(db_part, bias, sms) if has_b else none
