@@ -10,7 +10,7 @@ The exchange goes through global memory: each group has a counter and two banks 
 of its row loop, so that a program already one row ahead never overwrites partials a slower one still reads). A
 program stores its partials, passes a CTA barrier, adds one to the counter (acq_rel, GPU scope) and spins on the
 counter (atomic reads) until the whole group has arrived for this step; the partials are then read with volatile
-loads. Polling with plain volatile loads instead (one atomic after) measured 1.2-2x slower on the H100. Programs
+loads. Polling with plain volatile loads instead (one atomic after) measured 1.4-1.9x slower on the H100. Programs
 that wait on each other must all be resident at once: the launcher sizes the grid to the kernel's occupancy
 (registers, shared memory and warps of the compiled kernel against the SM's) and launches it as a CUDA cooperative
 grid, which the driver refuses (an error, not a hang) when the grid would not fit.
