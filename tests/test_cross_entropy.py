@@ -474,3 +474,84 @@ def test_gpu_compile_fullgraph():
     f = torch.compile(lambda a, b: cross_entropy(a, b, z_loss=1e-4), fullgraph=True)
     f(x, t).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.fixture
+def coop_ce(monkeypatch):
+    """Every vocabulary takes the cooperative rows (ops/_coop.py), in chunks of 128 classes: several programs per
+    row, a short last chunk; on the interpreter in two phases."""
+    from kernelkit.ops import _coop
+
+    monkeypatch.setattr(ce, "COOP_MIN_V", 1)
+    monkeypatch.setattr(ce, "COOP_CHUNK", 128)
+    launches = []
+    real = _coop.launch_rows
+    monkeypatch.setattr(_coop, "launch_rows", lambda k, *a, **kw: launches.append(k.fn.__name__) or real(k, *a, **kw))
+    return launches
+
+
+@pytest.mark.parametrize("feature", ["plain", "sum", "none"])
+@pytest.mark.parametrize("v", [300, 129, 40])
+def test_cooperative_rows(feature, v, device, coop_ce):
+    kw = dict(FEATURES[feature], grad_in_forward=True)  # 'none' would otherwise recompute in its backward
+    x, t = _inputs(9, v, device, dtype=torch.bfloat16, ignore_index=5)
+    t[3] = 5  # an ignored row
+    _check(x, t, ignore_index=5, **kw).raise_if_failed()
+    assert coop_ce and set(coop_ce) == {"cross_entropy_fwd_coop_kernel"}
+
+
+def test_cooperative_rows_only_for_the_plain_loss_with_its_gradient(device, coop_ce):
+    x, t = _inputs(4, 300, device)
+    for kw in ({"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"weight": torch.rand(300, device=device)},
+               {"grad_in_forward": False}):
+        _check(x, t, **kw).raise_if_failed()
+    assert not coop_ce
+
+
+def test_cooperative_rows_nan_and_out_of_range_like_the_two_sweeps(device, coop_ce, monkeypatch):
+    monkeypatch.setattr(_validate, "target_values", lambda *a: None)
+    x, t = _inputs(6, 300, device)
+    t[:] = torch.arange(6, device=device) * 37  # no row ignored
+    x[2, 7] = float("nan")
+    t[4] = 300
+    x.requires_grad_(True)
+    got = cross_entropy(x, t, reduction="none")
+    assert got[2].isnan() and got[4].isnan() and torch.isfinite(got[[0, 1, 3, 5]]).all()
+    torch.testing.assert_close(got[[0, 1, 3, 5]], reference(x.detach(), t.clamp(max=299), reduction="none")[[0, 1, 3, 5]])
+    # every token ignored: mean is 0/0 = NaN like torch, the gradient zero
+    x2 = torch.randn(3, 300, device=device, requires_grad=True)
+    out = cross_entropy(x2, torch.full((3,), -100, device=device))
+    assert out.isnan()
+    out.backward()
+    assert torch.equal(x2.grad, torch.zeros_like(x2))
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="records launches through the Triton interpreter")
+def test_cooperative_kernel_compiles_for_sm90(coop_ce):
+    from kernelkit.testing import compile_check
+
+    records = []
+    x, t = _inputs(3, 300, "cpu", dtype=torch.bfloat16)
+    with compile_check.record_launches(records):
+        for reduction in ("mean", "sum"):
+            cross_entropy(x.requires_grad_(True), t, reduction=reduction)
+    records = [dict(r, args=dict(r["args"], PHASE={"value": 0})) for r in records if "coop" in r["kernel"]]
+    records = compile_check.unique(records)
+    assert len(records) == 2
+    failures = compile_check.compile_in_subprocess(records)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 128256), (1000, 32000), (64, 393216), (3, 1000003)])
+def test_gpu_cooperative_rows_at_llm_vocab(shape):
+    check_spec(SPEC, shape, "bfloat16", device="cuda", trials=1).raise_if_failed()
+    x, t = _inputs(*shape, "cuda", dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    got = cross_entropy(x, t)
+    got.backward()
+    xr = x.detach().double().requires_grad_(True)
+    want = F.cross_entropy(xr, t)
+    want.backward()
+    assert abs(got.item() - want.item()) <= 1e-3 * abs(want.item())
+    assert rel_error(x.grad.double(), xr.grad) < 2e-2
