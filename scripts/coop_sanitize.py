@@ -52,17 +52,5 @@ for dtype in (torch.float32, torch.bfloat16):
         y2, s2 = out if isinstance(out, tuple) else (out, None)
         torch.autograd.grad([t for t in (y2, s2) if t is not None], (x, r, w),
                             [torch.randn_like(t) for t in (y2, s2) if t is not None])
-for m, n in ((37, 100003), (300, 32000)):  # cross-entropy's plain loss with its gradient in the forward
-    x = (3 * torch.randn(m, n, device="cuda")).bfloat16().requires_grad_()
-    t = torch.randint(0, n, (m,), device="cuda")
-    t[3] = -100
-    loss = kernelkit.cross_entropy(x, t)
-    (g,) = torch.autograd.grad(loss, x)
-    xr = x.detach().double().requires_grad_()
-    want = torch.nn.functional.cross_entropy(xr, t)
-    (gr,) = torch.autograd.grad(want, xr)
-    assert abs(loss.item() - want.item()) < 1e-3 * abs(want.item()), ("cross_entropy", m, n, loss.item(), want.item())
-    err = ((g.double() - gr).norm() / gr.norm()).item()
-    assert err < 2e-2, ("cross_entropy", m, n, "dx", err)
 torch.cuda.synchronize()
 print("cooperative rows: all results within tolerance")
