@@ -32,23 +32,13 @@ import triton.language as tl
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import autotune, interpreting, launch, next_pow2, num_sms
-from . import _coop, _validate
-from ._coop import coop_chunk, coop_exchange
+from . import _validate
 from ._ce_common import TARGET_DTYPES, class_weight_buffer, mean_divisor, weight_launch_args
 from ._dispatch import Op, reference_vjp, traced, wants_grad
 from .registry import OpSpec, optional_import, register
 
 # Chunk of a row per loop step: 16 fp32 per thread at 16 warps, and 16 KB of bf16 in flight per chunk.
 MAX_BLOCK_V = 8192
-# Cooperative rows (ops/_coop.py) for the plain loss with its gradient in the forward (no class weights,
-# smoothing, z-loss or softcap): from COOP_MIN_V classes each row is split over programs that hold their chunk of
-# logits in registers and exchange its (max, sum): lse, the loss and the gradient in one read of the logits and
-# one write of dlogits, where the two sweeps of the kernel above read a row twice.
-COOP = True
-COOP_MIN_V = 16384
-COOP_CHUNK = 8192
-COOP_WARPS = 8
-COOP_PER_SM = 3
 
 
 def _prune_warps(configs, named_args, **kwargs):
@@ -212,45 +202,6 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
                             True, BLOCK_V)
 
 
-@triton.jit
-def cross_entropy_fwd_coop_kernel(WS, CNT, M, V, CHUNK, LOGITS, TARGET, COUNT, LOSS, LSE, DLOGITS, stride_l, stride_d,
-                                  ignore_index, MEAN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  BLOCK_S: tl.constexpr, PHASE: tl.constexpr):
-    """The plain loss and its gradient (scaled for the reduction) on cooperative rows: one read, one write."""
-    slot, g, cols, ok = coop_chunk(tl.program_id(0), V, CHUNK, SPLITS, BLOCK_C)
-    groups = tl.num_programs(0) // SPLITS
-    scale = 1.0
-    if MEAN:
-        scale = 1.0 / tl.load(COUNT).to(tl.float32)
-    step = 0
-    row = slot
-    x_next = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=ok & (row < M), other=0.0)
-    while row < M:  # the next row's chunk in flight while the group exchanges this one's
-        r64 = row.to(tl.int64)
-        x = tl.where(ok, x_next.to(tl.float32), float("-inf"))
-        x_next = tl.load(LOGITS + (r64 + groups) * stride_l + cols, mask=ok & (row + groups < M), other=0.0)
-        m = tl.max(x, axis=0)
-        s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        ms, ss, part_ok = coop_exchange(WS, CNT, slot, row, g, step, m, s, SPLITS, BLOCK_S, PHASE)
-        if PHASE != 1:
-            ms = tl.where(part_ok, ms, float("-inf"))
-            m_all = tl.max(ms, axis=0)
-            lse = m_all + tl.log(tl.sum(ss * tl.exp(ms - tl.where(m_all == float("-inf"), 0.0, m_all)), axis=0))
-            t = tl.load(TARGET + r64).to(tl.int64)
-            valid = t != ignore_index
-            in_range = (t >= 0) & (t < V)
-            # A class index outside [0, V) other than ignore_index: a NaN loss and gradient for its row.
-            lse = tl.where(in_range | (t == ignore_index), lse, float("nan"))
-            grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-            tl.store(DLOGITS + r64 * stride_d + cols, tl.where(valid, grad, 0.0).to(DLOGITS.dtype.element_ty),
-                     mask=ok)
-            x_t = tl.load(LOGITS + r64 * stride_l + t, mask=valid & in_range & (g == 0), other=0.0).to(tl.float32)
-            tl.store(LOSS + r64, tl.where(valid, lse - x_t, 0.0), mask=g == 0)
-            tl.store(LSE + r64, lse, mask=g == 0)
-        row += groups
-        step += 1
-
-
 @autotune(BWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_Z", "MEAN", "HAS_WEIGHT"],
           prune_configs_by={"early_config_prune": _prune_warps})
 @triton.jit
@@ -362,12 +313,7 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, weight: Option
     z_rows = empty((n,), dtype=torch.float32, device=logits.device) if z_loss else None
     dlogits = empty((n, v), dtype=logits.dtype, device=logits.device) if grad_in_forward else logits.new_empty(0)
     count = mean_divisor(t, wbuf, v, ignore_index) if reduction == "mean" else t
-    plain = wbuf is None and not label_smoothing and not z_loss and softcap is None
-    done = n > 0 and COOP and plain and grad_in_forward and v >= COOP_MIN_V and _coop.launch_rows(
-        cross_entropy_fwd_coop_kernel, n, v, COOP_CHUNK, (x, t, count, loss_rows, lse, dlogits, x.stride(0), v,
-                                                         ignore_index),
-        {"MEAN": reduction == "mean", "num_warps": COOP_WARPS}, logits.device, per_sm=COOP_PER_SM)
-    if n and not done:
+    if n:
         block, sms = _block_v(v), num_sms(logits.device)
         grid = lambda meta: (min(n, meta["PROGRAMS_PER_SM"] * sms),)  # noqa: E731
         flags = dict(MEAN=reduction == "mean", HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
