@@ -522,7 +522,7 @@ def test_quantize_rows_kernel_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(3, 70, 37), (4111, 65), (2, 1, 130), (1, 1)])
+@pytest.mark.parametrize("shape", [(3, 70, 37), (4111, 65), (2, 1, 130), (1, 1), (8192, 4096), (5000, 300)])
 def test_quantize_cols_t_kernel_matches_its_definition(shape, dtype):
     # The transposed quantization against quantize_rows_reference of the transpose, bit for bit: columns longer
     # than one 64-row block, column counts off the 64-wide block, a zero column, a NaN, strided inputs (an
@@ -557,6 +557,16 @@ def test_quantize_cols_t_reference_and_compile_for_sm90(device):
                          "tiny": {"value": 1e-38, "type": "fp32"}, "BLOCK_R": {"value": F8.COLS_T_TILE[0]},
                          "BLOCK_C": {"value": F8.COLS_T_TILE[1]}},
                 "options": {"num_warps": F8.COLS_T_TILE[2]}} for dt in ("bf16", "fp32")]
+    # and the row-chunked pair that one dense matrix takes
+    common = {"X": {"ptr": "bf16"}, "P": {"ptr": "fp32"}, "R": i32(8192), "C": i32(4096), "ROWS_PER": i32(1024),
+              "stride_xb": i32(8192 * 4096), "stride_xr": i32(4096), "stride_xc": i32(1),
+              "BLOCK_R": {"value": F8.COLS_T_TILE[0]}, "BLOCK_C": {"value": F8.COLS_T_TILE[1]}}
+    records += [{"kernel": "kernelkit.ops.gemm.fp8:quantize_cols_t_amax_kernel", "args": common,
+                 "options": {"num_warps": F8.COLS_T_TILE[2]}},
+                {"kernel": "kernelkit.ops.gemm.fp8:quantize_cols_t_chunk_kernel",
+                 "args": {**common, "Q": {"ptr": "fp8e4nv"}, "S": {"ptr": "fp32"},
+                          "tiny": {"value": 1e-38, "type": "fp32"}},
+                 "options": {"num_warps": F8.COLS_T_TILE[2]}}]
     assert not compile_check.compile_in_subprocess(records)
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import interpreting, next_pow2
+from ...runtime import interpreting, next_pow2, num_sms
 from .mx import dequantize_fwd, e8m0_to_fp32, quantize_fwd
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -87,6 +87,55 @@ def quantize_cols_t_kernel(X, Q, S, R, C, stride_xb, stride_xr, stride_xc, tiny,
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr < R)[:, None] & c_ok[None, :]
+        v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
+        q = _fp8_cast(v, scale[None, :])
+        tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def quantize_cols_t_amax_kernel(X, P, R, C, ROWS_PER, stride_xb, stride_xr, stride_xc,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """quantize_cols_t over row chunks, first pass: program (column block, row chunk, b) writes its chunk's amax per
+    column to P[b, chunk, :] (NaN-propagating, as quantize_cols_t_kernel's)."""
+    b = tl.program_id(2).to(tl.int64)
+    rc = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    x_cols = X + b * stride_xb + cols.to(tl.int64)[None, :] * stride_xc
+    lo = rc * ROWS_PER
+    hi = tl.minimum(R, lo + ROWS_PER)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=(rr < hi)[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+    tl.store(P + (b * tl.num_programs(1) + rc) * C + cols, amax, mask=c_ok)
+
+
+@triton.jit
+def quantize_cols_t_chunk_kernel(X, P, Q, S, R, C, ROWS_PER, stride_xb, stride_xr, stride_xc, tiny,
+                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Second pass: the columns' amax from every chunk's partial, the scale (stored by chunk 0), then this chunk's
+    rows quantized and written transposed, as quantize_cols_t_kernel's second loop."""
+    b = tl.program_id(2).to(tl.int64)
+    rc = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for i in range(0, chunks):
+        amax = tl.maximum(amax, tl.load(P + (b * chunks + i) * C + cols, mask=c_ok, other=0.0),
+                          propagate_nan=tl.PropagateNan.ALL)
+    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
+    tl.store(S + b * C + cols, scale, mask=c_ok & (rc == 0))
+    x_cols = X + b * stride_xb + cols.to(tl.int64)[None, :] * stride_xc
+    q_cols = Q + b * C * R + cols.to(tl.int64)[None, :] * R
+    lo = rc * ROWS_PER
+    hi = tl.minimum(R, lo + ROWS_PER)
+    for r0 in range(lo, hi, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask = (rr < hi)[:, None] & c_ok[None, :]
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
         q = _fp8_cast(v, scale[None, :])
         tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
@@ -171,6 +220,11 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # 256 x 64 x 8 warps, 1400 at 64 x 64 x 4; it reads each column twice (amax, then the quantization), so 5 bytes
 # move: 90% of what that allows at the 3 TB/s of a copy.
 COLS_T_TILE = (256, 64, 8)
+# With fewer (column block, b) programs than this many per SM (one dense matrix: 64 column blocks of a 4096-wide
+# activation for 132 SMs), each column block is also split over row chunks: an amax pass per chunk, then a pass
+# that reduces the chunks' amax and quantizes its chunk. Before the split, 8192x4096 bf16 took 186 µs (~500 GB/s)
+# on the H100 (benchmarks/results/h100/fp8_linear_projections.json).
+COLS_T_PROGRAMS_PER_SM = 4
 
 
 def quantize_cols_t_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +238,8 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale (..., C), t[..., r, c] ~= q[..., c, r] * scale[..., c]: each column scaled so its amax maps to 448, as
     `quantize_rows` would quantize t's transpose, without the transposed copy. The backward's fp8 dgrads read the
     expert weights this way (their reduction runs along the forward's output channels, and fp8 MMAs take both
-    operands K-contiguous). On a GPU one Triton kernel (two passes over each column block); elsewhere
+    operands K-contiguous). On a GPU one Triton kernel (two passes over each column block), or, where column blocks
+    are too few to fill the GPU, two (an amax per row chunk, then the quantization of each chunk); elsewhere
     `quantize_cols_t_reference`."""
     if not t.is_cuda or t.numel() == 0:
         return quantize_cols_t_reference(t)
@@ -195,9 +250,23 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((b, c), dtype=torch.float32, device=t.device)
     block_r, block_c, warps = COLS_T_TILE
     block_c = min(block_c, next_pow2(c))
-    grid = (triton.cdiv(c, block_c), b)
-    quantize_cols_t_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), torch.finfo(t.dtype).tiny,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    col_blocks = triton.cdiv(c, block_c)
+    target = COLS_T_PROGRAMS_PER_SM * num_sms(t.device)
+    chunks = min(triton.cdiv(r, block_r), triton.cdiv(target, col_blocks * b))
+    tiny = torch.finfo(t.dtype).tiny
+    if chunks <= 1:
+        quantize_cols_t_kernel[(col_blocks, b)](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), tiny,
+                                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    else:
+        rows_per = triton.cdiv(triton.cdiv(r, chunks), block_r) * block_r
+        chunks = triton.cdiv(r, rows_per)
+        partial = torch.empty((b, chunks, c), dtype=torch.float32, device=t.device)
+        grid = (col_blocks, chunks, b)
+        strides = (x.stride(0), x.stride(1), x.stride(2))
+        quantize_cols_t_amax_kernel[grid](x, partial, r, c, rows_per, *strides, BLOCK_R=block_r, BLOCK_C=block_c,
+                                          num_warps=warps)
+        quantize_cols_t_chunk_kernel[grid](x, partial, q, scale, r, c, rows_per, *strides, tiny, BLOCK_R=block_r,
+                                           BLOCK_C=block_c, num_warps=warps)
     return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
 
 
