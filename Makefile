@@ -14,10 +14,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # The interpreter runs every Triton kernel on the CPU, so the tests need no GPU; one worker per core.
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m "not gpu and not slow" --timeout=600 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal -m "not gpu and not slow" --timeout=600 tests
 
 test-all: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m "not gpu" --timeout=600 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist worksteal -m "not gpu" --timeout=600 tests
 
 # The main job, in three timed steps: the ceilings (measured on a GPU, the H100 datasheet without one); every
 # op checked against its float64 reference; then the built-in Llama example profiled on the roofline (measured

@@ -52,10 +52,10 @@ def _curve(model, ids, steps: int = STEPS) -> list[float]:
     return losses
 
 
-# CI (`make test`) trains two families whose patched paths differ most (Llama: SDPA-shaped attention and SwiGLU;
-# Gemma 2: softcaps, GeGLU, (1 + w) norms; the MoE experts' training step is test_patch_moe's); `make test-all`
-# trains every family.
-CI_FAMILIES = ("llama", "gemma2")
+# CI (`make test`) trains Llama (SDPA-shaped attention and SwiGLU; the MoE experts' training step is test_patch_moe's,
+# and every family's patched forward and backward against its unpatched model is test_patch's); `make test-all`
+# trains every family, Gemma 2 (softcaps, GeGLU, (1 + w) norms: 33 s in the interpreter) included.
+CI_FAMILIES = ("llama",)
 
 
 @pytest.mark.parametrize("family", [f if f in CI_FAMILIES else pytest.param(f, marks=pytest.mark.slow)
