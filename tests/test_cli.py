@@ -92,6 +92,7 @@ def test_check_counts_failures_and_exits_1(monkeypatch):
                      res.output), res.output
 
 
+@pytest.mark.slow  # ~23 s in the interpreter: `make test-all` (CI time)
 def test_check_all_side_by_side_collects_each_process_rows_and_a_dead_one_fails(monkeypatch):
     # check all --jobs N: ops in child processes. A child that dies (here: an op name it refuses, exit 2) is a
     # failed row with the end of its output, not a silently missing op.

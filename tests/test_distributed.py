@@ -303,6 +303,8 @@ def group_results(tmp_path_factory):
     return results
 
 
+# Two gloo processes running every check take ~75 s in the interpreter: `make test-all` runs them (CI time).
+@pytest.mark.slow
 def test_distributed_checks(group_results):
     """Every check on every rank (one test: the group is spawned once, not once per xdist worker)."""
     failed = [f"{check.__name__} on rank {rank}: {results[check.__name__].get('error')}"

@@ -104,6 +104,7 @@ def test_persistent_kernel_against_float64(routing, gather, device, kernels, mon
     assert not [k for k in kernels if k[0] == "gemm"], "a grouped GEMM fell back to the pointer kernel"
 
 
+@pytest.mark.slow  # ~23 s in the interpreter: `make test-all` (CI time)
 def test_persistent_and_pointer_kernels_agree(device, monkeypatch):
     # The same layer through both kernels (KERNELKIT_MOE_PERSISTENT=0 keeps the pointer kernel with the gather in
     # its loads): the same products and fp32 sums, so outputs and gradients agree to bf16 rounding.
