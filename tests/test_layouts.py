@@ -207,3 +207,27 @@ def test_layout_tolerance_overrides_one_case():
     loose = dataclasses.replace(spec, layout_tolerances={"args[0] expanded": {"float32": 1e-2}})
     rep, _ = check_layouts(loose, "float32", "cpu")
     assert not rep.failures, rep.failures
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "rms_norm", "add_rms_norm", "layer_norm"])
+def test_every_layout_on_cooperative_rows(name, device, monkeypatch):
+    # The cooperative rows (ops/_coop.py) take rows past 32768 columns on a GPU: with the thresholds shrunk, the
+    # layout shape's rows split over several programs, so every layout reaches them (phased on the interpreter).
+    import kernelkit.ops.layer_norm as ln
+    import kernelkit.ops.rms_norm as rms
+    import kernelkit.ops.softmax as sm
+    from kernelkit.ops import _coop
+
+    for mod in (sm, rms, ln):
+        for const in ("MAX_FUSED_N", "MAX_FUSED_BWD_N", "COOP_CHUNK", "COOP_BWD_CHUNK", "COOP_BWD_CHUNK_FP32"):
+            if hasattr(mod, const):
+                monkeypatch.setattr(mod, const, 64)
+    monkeypatch.setattr(ln, "COOP_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
+    ran = []
+    real = _coop.launch_rows
+    monkeypatch.setattr(_coop, "launch_rows", lambda k, *a, **kw: ran.append(k.fn.__name__) or real(k, *a, **kw))
+    spec = registry.get(name)
+    report, cases = check_layouts(spec, _dtype(spec), device, shape=(2, 3, 129))  # 3 chunks a row, the last of 1
+    assert cases >= len(LAYOUTS) - 1, f"{name}: only {cases} layout cases ran"
+    report.raise_if_failed()
+    assert any("fwd_coop" in k for k in ran) and any("bwd_coop" in k for k in ran), sorted(set(ran))
