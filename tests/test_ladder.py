@@ -114,6 +114,7 @@ _SM90 = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 15-24 s each (nvcc, g++, Triton compiles): `make test-all` (CI time)
 def test_hgemm_rungs_compile_for_sm90_and_show_their_step():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=600)
@@ -207,6 +208,7 @@ def _bundle(configs, emulate: bool) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow  # 15-24 s each (nvcc, g++, Triton compiles): `make test-all` (CI time)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_rungs_compile_for_sm90_without_spills(tmp_path):
     """nvcc stands in for NVRTC here (same front end and ptxas; the sources use no header either would lack)."""
@@ -277,6 +279,7 @@ extern "C" void launch(int which, const float* A, const float* B, float* C, int 
 """
 
 
+@pytest.mark.slow  # 15-24 s each (nvcc, g++, Triton compiles): `make test-all` (CI time)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_cuda_rungs_compute_the_product_in_a_cpu_emulation(tmp_path):
     configs = _configs()
