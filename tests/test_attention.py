@@ -83,7 +83,7 @@ def test_deterministic_backward_is_bitwise_reproducible(kw, device):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("kw", [{}, {"causal": True, "window": 6}])
+@pytest.mark.parametrize("kw", [{}, pytest.param({"causal": True, "window": 6}, marks=pytest.mark.slow)])
 def test_packed_variable_length_sequences(kw, device):
     cu = torch.tensor([0, 5, 5, 38, 70], dtype=torch.int32, device=device)  # one empty sequence
     q, k, v = _qkv(None, 70, 70, 4, 2, 32, device=device)
@@ -96,7 +96,8 @@ def test_packed_variable_length_sequences(kw, device):
     torch.testing.assert_close(o1[5:38], dense, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("sq,kw", [(1, {}), (5, {"causal": True, "softcap": 3.0}), (16, {"causal": True, "window": 20})])
+@pytest.mark.parametrize("sq,kw", [(1, {}), pytest.param(5, {"causal": True, "softcap": 3.0}, marks=pytest.mark.slow),
+                                   pytest.param(16, {"causal": True, "window": 20}, marks=pytest.mark.slow)])
 def test_split_kv_decoding(sq, kw, device, monkeypatch):
     monkeypatch.setattr(fwd_mod, "DECODE_MIN_SEQ_K", 1)
     calls = []

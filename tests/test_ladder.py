@@ -152,6 +152,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~19 s: `make test-all` (CI time)
 def test_gluon_rung_compiles_for_sm90_and_is_warp_specialized():
     # Gluon has no interpreter: CI builds every config the GPU run will time, and checks the rung's step
     # (TMA, wgmma, registers moved between the roles) and what would silently cost speed (spills, C7514).
