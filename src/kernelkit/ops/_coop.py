@@ -45,6 +45,13 @@ def coop_chunk(pid, N, CHUNK, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def coop_row(P, row, stride, cols, ok, M):
+    """This program's chunk of row `row` of P in P's dtype (nothing read past the last row): the prefetch the
+    cooperative kernels issue for their next row before an exchange."""
+    return tl.load(P + row.to(tl.int64) * stride + cols, mask=ok & (row < M), other=0.0)
+
+
+@triton.jit
 def coop_exchange(WS, CNT, slot, row, g, step, a, b, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                   PHASE: tl.constexpr):
     """Publish this program's (a, b) for `row` and return every split's (a, b) of that row as two [BLOCK_S]

@@ -25,7 +25,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty, empty_like
 from ..runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms, prune_row_tiles, row_tile_configs
 from . import _coop, _validate
-from ._coop import coop_chunk, coop_exchange
+from ._coop import coop_chunk, coop_exchange, coop_row
 from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 from .registry import OpSpec, optional_import, register
@@ -267,16 +267,14 @@ def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PA
     dw = tl.zeros([BLOCK_C], dtype=tl.float32)  # the group's share of dweight over its rows, this chunk
     step = 0
     row = slot
-    first = ok & (row < M)  # the next row prefetched, as in the forward
-    x_next = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=first, other=0.0)
-    dy_next = tl.load(DY + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0)
+    x_next = coop_row(X, row, stride_x, cols, ok, M)
+    dy_next = coop_row(DY, row, stride_dy, cols, ok, M)
     while row < M:
         r64 = row.to(tl.int64)
-        more = ok & (row + groups < M)
         x = x_next.to(tl.float32)
         dy = dy_next.to(tl.float32)
-        x_next = tl.load(X + (r64 + groups) * stride_x + cols, mask=more, other=0.0)
-        dy_next = tl.load(DY + (r64 + groups) * stride_dy + cols, mask=more, other=0.0)
+        x_next = coop_row(X, row + groups, stride_x, cols, ok, M)
+        dy_next = coop_row(DY, row + groups, stride_dy, cols, ok, M)
         rstd = tl.load(RSTD + row)
         xhat = x * rstd
         wdy = dy * w if HAS_WEIGHT else dy
