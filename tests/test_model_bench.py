@@ -73,3 +73,23 @@ def test_torchao_filter_picks_the_linears_kernelkit_fp8_runs_in_fp8():
     patch(model, rms_norm=False, mlp=False, rope=False, attention=False, cross_entropy=False, moe=False,
           precision="fp8")
     assert picked == {n for n, m in linears if "forward" in vars(m)}
+
+
+def test_kernel_families_name_the_step_s_kernels_and_print():
+    from rich.console import Console
+
+    fam = mb.kernel_family
+    assert fam("scaled_matmul_kernel") == "fp8 GEMM (kernelkit)"
+    assert fam("quantize_cols_t_chunk_kernel") == "fp8 quantization"
+    assert fam("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert fam("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT") == "GEMM (cuBLAS / CUTLASS)"
+    assert fam("rms_norm_fwd_kernel") == fam("triton_red_fused_add_0") == "Triton (kernelkit, torch.compile)"
+    assert fam("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise / reduce (torch)"
+    assert fam("ncclDevKernel_AllGather_RING_LL") == "other"
+    row = {"variant": "kernelkit-fp8", "skipped": "x", "kernels": {
+        "busy_ms": 70.5, "profiled_wall_ms": 80.0, "kernels_per_step": 312,
+        "families_ms": {"fp8 GEMM (kernelkit)": 20.0, "attention": 5.25}, "top": []}}
+    console = Console(record=True, width=300)
+    mb.print_rows([row], console)
+    text = console.export_text()
+    assert "GPU busy 70.5 of 80.0 ms" in text and "312 kernels" in text and "attention 5.2" in text

@@ -149,7 +149,8 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
                                                        "instead of the op's bench shapes"),
           latency: bool = typer.Option(True, help="also time the op's decode-size (latency) shapes"),
           kernel_time: bool = typer.Option(False, help="also record each call's summed kernel time from the "
-                                                       "profiler (GPU side, host time excluded)"),
+                                                       "profiler (GPU side, host time excluded); bench model: "
+                                                       "each variant's kernel time per step by family"),
           table: bool = typer.Option(True, help="append the rows to the GPU's results table, "
                                                 "benchmarks/results/<gpu>.csv, in a source checkout"),
           example: str = typer.Option("llama", help="bench model: built-in config (llama: Llama-3-8B's layer shapes; llama-1b: Llama-3.2-1B's)"),
@@ -210,7 +211,7 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
             raise typer.Exit(2)
         with console.status("") as status:
             rows = run_model_bench(example, str(config) if config else None, layers or None, batch, seq,
-                                   steps=steps, variants=chosen, out=out,
+                                   steps=steps, variants=chosen, out=out, kernels=kernel_time,
                                    progress=lambda v: status.update(f"[bold]bench model[/]: {v} (own process)"))
         print_rows(rows, console)
         console.print(f"wrote {out / 'model.json'} and {out / 'model.png'}")

@@ -119,8 +119,8 @@ def _median_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
 
 
 def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_path: str | None,
-                ref_grads_path: str | None) -> dict:
-    """One row, in this process."""
+                ref_grads_path: str | None, kernels: bool = False) -> dict:
+    """One row, in this process; `kernels`: also `kernel_table` of two training steps."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,6 +192,8 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     row["step_ms"], row["step_ms_all"] = _median_ms(train_step, warmup=2, iters=steps)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["train_tokens_per_s"] = batch * seq / row["step_ms"] * 1e3
+    if kernels:
+        row["kernels"] = kernel_table(train_step, steps=2)
     model.zero_grad(set_to_none=True)
 
     def prefill():
@@ -208,10 +210,63 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     return row
 
 
+# Kernel families of `kernel_table`, first match wins (lower-case substrings of the kernel's name).
+KERNEL_FAMILIES = (
+    ("fp8 GEMM (kernelkit)", ("scaled_matmul",)),
+    ("fp8 quantization", ("quantize",)),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")),
+    ("GEMM (cuBLAS / CUTLASS)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
+    ("elementwise / reduce (torch)", ("at::native", "elementwise", "vectorized", "reduce_kernel", "memcpy", "memset")),
+    ("Triton (kernelkit, torch.compile)", ("_kernel", "triton")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+
+
+def kernel_table(train_step, steps: int = 2, top: int = 12) -> dict:
+    """GPU kernel time of `steps` training steps under torch.profiler, per step: by `KERNEL_FAMILIES` and the
+    `top` kernels, with the kernel count and the step's wall time (busy < wall: idle GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            train_step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        doc = json.loads(Path(tmp, "trace.json").read_text())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    fams: dict[str, float] = {}
+    names: dict[str, list] = {}
+    count = 0
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        ms = float(e.get("dur", 0.0)) / 1e3 / steps
+        fam = kernel_family(e["name"])
+        fams[fam] = fams.get(fam, 0.0) + ms
+        n = names.setdefault(e["name"][:120], [0.0, 0])
+        n[0] += ms
+        n[1] += 1
+        count += 1
+    busiest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"busy_ms": sum(fams.values()), "profiled_wall_ms": wall, "kernels_per_step": count / steps,
+            "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": k, "ms": v[0], "calls": v[1] / steps} for k, v in busiest]}
+
+
 def run_model_bench(example: str | None = "llama", config_path: str | None = None, layers: int | None = 2,
                     batch: int = 4, seq: int = 2048, steps: int = 5, variants=VARIANTS, out: Path | None = None,
-                    timeout: int = 600, progress=None) -> list[dict]:
-    """Every variant in a process of its own; eager first (the gradients the others are compared with)."""
+                    timeout: int = 600, progress=None, kernels: bool = False) -> list[dict]:
+    """Every variant in a process of its own; eager first (the gradients the others are compared with).
+    `kernels`: each row also gets `kernel_table` (GPU kernel time per step by family)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ref = os.path.join(tmp, "eager-grads.pt")
@@ -224,6 +279,7 @@ def run_model_bench(example: str | None = "llama", config_path: str | None = Non
             cmd += ["--config", config_path] if config_path else ["--example", example or "llama"]
             cmd += ["--layers", str(layers)] if layers else []
             cmd += ["--save-grads", ref] if v == "eager" else ["--ref-grads", ref]
+            cmd += ["--kernels"] if kernels else []
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if proc.returncode:
@@ -301,6 +357,12 @@ def print_rows(rows, console) -> None:
                       f"{r.get('x_eager_prefill', 1):.2f}", f"{r['loss']:.5f}", f"{r.get('loss_rel_diff', 0):.1e}",
                       f"{worst['param']} ({worst['rel_err']:.2e})" if worst else "-")
     console.print(table)
+    for r in rows:
+        k = r.get("kernels")
+        if k:
+            fams = ", ".join(f"{f} {ms:.1f}" for f, ms in k["families_ms"].items())
+            console.print(f"{r['variant']}: GPU busy {k['busy_ms']:.1f} of {k['profiled_wall_ms']:.1f} ms per profiled "
+                          f"step, {k['kernels_per_step']:.0f} kernels: {fams}", soft_wrap=True)
 
 
 def main(argv=None) -> None:
@@ -315,9 +377,10 @@ def main(argv=None) -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--save-grads", default=None)
     p.add_argument("--ref-grads", default=None)
+    p.add_argument("--kernels", action="store_true", help="add the GPU kernel time of two steps by family")
     a = p.parse_args(argv)
     config = build_config(a.example, a.config, a.layers, a.seq)
-    row = run_variant(a.variant, config, a.batch, a.seq, a.steps, a.save_grads, a.ref_grads)
+    row = run_variant(a.variant, config, a.batch, a.seq, a.steps, a.save_grads, a.ref_grads, a.kernels)
     Path(a.json).write_text(json.dumps(row, indent=1))
 
 
