@@ -1,5 +1,6 @@
 """fp8 training's loss against bf16's (issue 30, item 5): the same model, weights and batches, trained with
-AdamW in bf16 (unpatched, and kernelkit.patch) and in fp8 (kernelkit.patch(precision="fp8"), torchao's float8
+AdamW in bf16 (unpatched, and kernelkit.patch) and in fp8 (kernelkit.patch(precision="fp8"): "kernelkit-fp8" with the
+LM head's logits and dhidden GEMMs in fp8, "kernelkit-fp8-layers" with the LM head in bf16; torchao's float8
 rowwise when it imports), the loss of every step recorded.
 
 Data: sequences of a fixed random Markov chain whose tokens each have a handful of likely successors (random
@@ -30,7 +31,7 @@ SETTINGS = {
                   batch=16, seq=512, steps=200, lr=1e-3, warmup=20),
     "8b-layers": dict(config=None, batch=4, seq=2048, steps=20, lr=3e-4, warmup=5),
 }
-VARIANTS = ("bf16", "kernelkit", "kernelkit-fp8", "torchao-fp8")
+VARIANTS = ("bf16", "kernelkit", "kernelkit-fp8", "kernelkit-fp8-layers", "torchao-fp8")
 SUCCESSORS = 6  # likely next tokens per token
 
 
@@ -74,7 +75,8 @@ def build(setting: dict, variant: str):
     if variant.startswith("kernelkit"):
         import kernelkit
 
-        report = kernelkit.patch(model, precision="fp8" if variant.endswith("fp8") else "bf16")
+        report = kernelkit.patch(model, precision="fp8" if "fp8" in variant else "bf16",
+                                 fp8_lm_head=not variant.endswith("layers"))
         what = str(report).splitlines()[0] if str(report) else variant
     elif variant == "torchao-fp8":
         from kernelkit.testing.model_bench import apply_torchao_fp8

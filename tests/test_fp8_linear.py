@@ -166,3 +166,82 @@ def test_bench_model_precision_fp8_puts_fp8_rows_next_to_bf16():
                    "torchao-fp8+compile")
     assert set(got) <= set(VARIANTS)
     assert fp8_variants(("kernelkit", "kernelkit-fp8")) == ("kernelkit", "kernelkit-fp8", "torchao-fp8")
+
+
+# --- the LM head in fp8: linear_cross_entropy(precision="fp8") and patch(precision="fp8", fp8_lm_head=...) ---
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,reduction", [(torch.bfloat16, "mean"), (torch.float16, "sum")])
+def test_fp8_lm_head_against_float64_of_its_quantized_operands(dtype, reduction, device):
+    from kernelkit.ops.linear_cross_entropy import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    t, h, v = 40, 32, 272  # chunks of 16: two full and a tail of 8
+    x = torch.randn(t, h, generator=g).to(dtype).to(device).requires_grad_()
+    w = (0.2 * torch.randn(v, h, generator=g)).to(dtype).to(device).requires_grad_()
+    b = (0.3 * torch.randn(v, generator=g)).to(dtype).to(device).requires_grad_()
+    tgt = torch.randint(0, v, (t,), generator=g).to(device)
+    tgt[5] = -100
+    loss = linear_cross_entropy(x, w, tgt, b, reduction=reduction, chunk_size=16, precision="fp8")
+    loss.backward()
+    # float64 of the quantized operands, rounded where the kernels round: logits and dlogits to dtype
+    logits = (_deq_rows(x.detach()) @ _deq_rows(w.detach()).T + b.detach().double()).to(dtype).double()
+    keep = tgt != -100
+    lp = logits.log_softmax(-1)
+    want = -lp[keep, tgt[keep]].sum() / (keep.sum() if reduction == "mean" else 1)
+    dl = lp.exp()
+    dl[keep, tgt[keep]] -= 1
+    dl[~keep] = 0
+    dl = (dl / (keep.sum() if reduction == "mean" else 1)).to(dtype)
+    dh = _deq_rows(dl) @ _deq_cols(w.detach())
+    dw = dl.double().T @ x.detach().double()
+    assert abs(loss.item() - want.item()) < 2e-3 * abs(want.item())
+    assert _rel(x.grad, dh) < 1.5e-2
+    assert _rel(w.grad, dw) < 1.5e-2
+    assert _rel(b.grad, dl.double().sum(0)) < 1e-2
+    # and fp8's own error against the unquantized float64 loss: a few percent at most
+    exact = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().T + b.detach().double(),
+                                              tgt, reduction=reduction)
+    assert abs(loss.item() - exact.item()) < 0.02 * abs(exact.item())
+
+
+def test_fp8_lm_head_refuses_what_it_cannot_take():
+    from kernelkit.ops.linear_cross_entropy import fp8_unsupported, linear_cross_entropy
+
+    bf = dict(dtype=torch.bfloat16)
+    x, w, t = torch.zeros(4, 32, **bf), torch.zeros(48, 32, **bf), torch.zeros(4, dtype=torch.long)
+    assert "float32" in fp8_unsupported(x.float(), w.float(), "mean")
+    assert "multiples of 16" in fp8_unsupported(torch.zeros(4, 40, **bf), torch.zeros(48, 40, **bf), "mean")
+    assert "reduction='none'" in fp8_unsupported(x, w, "none")
+    with pytest.raises(ValueError, match="precision='fp16' is not one of 'bf16', 'fp8'"):
+        linear_cross_entropy(x, w, t, precision="fp16")
+    if interpreting():
+        with pytest.raises(ValueError, match="precision='fp8' cannot take this call: reduction='none'"):
+            linear_cross_entropy(x, w, t, reduction="none", precision="fp8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_patch_fp8_runs_the_lm_head_in_fp8_unless_told_not_to(lm_head, device, monkeypatch):
+    pytest.importorskip("transformers")
+    import kernelkit.ops.linear_cross_entropy as lce
+    from kernelkit.patch import patch
+    from tests.test_patch import batch, tiny_model
+
+    calls = []
+    real = lce._fp8_gemm
+    monkeypatch.setattr(lce, "_fp8_gemm", lambda *a: calls.append(a[0].shape) or real(*a))
+    model = tiny_model("llama", dtype=torch.bfloat16, device=device, layers=1)
+    ref = copy.deepcopy(model)
+    report = patch(model, precision="fp8", fp8_lm_head=lm_head, rms_norm=False, mlp=False, rope=False,
+                   attention=False, cross_entropy="kernelkit")
+    model.train(), ref.train()
+    ids, labels = (t.to(device) for t in batch())
+    got, want = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
+    got.backward(), want.backward()
+    assert abs(got.item() - want.item()) < 0.03 * abs(want.item())
+    assert _rel(model.lm_head.weight.grad, ref.lm_head.weight.grad.double()) < 0.2  # fp8 layers below it too
+    assert bool(calls) == lm_head  # the logits and dhidden GEMMs went through the fp8 GEMM, or none did
+    assert ("dhidden GEMMs run in fp8" in str(report.notes)) == lm_head
+    with pytest.raises(ValueError, match="fp8_lm_head"):
+        patch(tiny_model("llama", layers=1), precision="fp8", fp8_lm_head="yes")

@@ -52,6 +52,8 @@ from ._ce_common import TARGET_DTYPES, class_weight_buffer, mean_divisor, weight
 from ._dispatch import Op
 from .cross_entropy import MAX_BLOCK_V, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from .cross_entropy import reference as cross_entropy_reference
+from .gemm.fp8 import quantize_cols_t, quantize_rows
+from .scaled_matmul import scaled_matmul
 from .registry import OpSpec, optional_import, register
 
 # A chunk's logits (rows x V in the activations' dtype) stay under this budget: the smallest that ran as
@@ -82,6 +84,29 @@ def grad_scale_kernel(X, GRAD, numel, BLOCK: tl.constexpr):
 
 
 # --- validation ---
+
+PRECISIONS = ("bf16", "fp8")
+FP8_DTYPES = (torch.bfloat16, torch.float16)
+FP8_ALIGN = 16  # H and V of the fp8 GEMMs (16-byte rows of e4m3, torch._scaled_mm's rule)
+
+
+def fp8_unsupported(hidden: torch.Tensor, weight: torch.Tensor, reduction: str) -> Optional[str]:
+    """Why precision='fp8' cannot take this call (None when it can)."""
+    if hidden.dtype not in FP8_DTYPES:
+        return f"dtype {str(hidden.dtype)[6:]} (fp8 takes bf16 / fp16 hidden states and weight)"
+    v, h = weight.shape
+    if v % FP8_ALIGN or h % FP8_ALIGN:
+        return f"V = {v} and H = {h} must be multiples of {FP8_ALIGN}"
+    if reduction == "none":
+        return "reduction='none' (its backward recomputes the logits; fp8 runs 'mean' and 'sum')"
+    if hidden.is_cuda:
+        major, minor = torch.cuda.get_device_capability(hidden.device)
+        if (major, minor) < (8, 9):
+            return f"compute capability {major}.{minor} has no fp8 tensor cores (8.9+)"
+    elif not interpreting():
+        return "CPU tensors outside the Triton interpreter"
+    return None
+
 
 def _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
     """cross_entropy's checks of the shared options, then chunk_size; returns them normalized."""
@@ -222,8 +247,10 @@ class _Grads:
     """Gradient buffers filled chunk by chunk: dhidden rows, dweight (in its dtype or an fp32 running
     sum, see the module docstring) and an fp32 dbias."""
 
-    def __init__(self, hidden, weight, bias, n_chunks, need_dh, need_dw, need_db, rows=0, post=None):
+    def __init__(self, hidden, weight, bias, n_chunks, need_dh, need_dw, need_db, rows=0, post=None, fp8=False):
         t, h = hidden.shape
+        # fp8: dhidden = dlogits @ weight with dlogits per token and weight per hidden column in e4m3
+        self.wt8 = quantize_cols_t(weight) if fp8 and need_dh else None
         dev = hidden.device
         # post: a 0-dim fp32 factor the fp32 sums are multiplied by before rounding (fp16, FP16_GRAD_SCALE)
         self.post = post
@@ -238,7 +265,15 @@ class _Grads:
         self.weight, self.first = weight, True
 
     def add_chunk(self, dlogits, h_chunk, start):
-        if self.dh32 is not None:  # fp32 product, scaled, then rounded once
+        if self.wt8 is not None:
+            dq, ds = quantize_rows(dlogits)
+            rows = self.dh[start:start + dlogits.shape[0]]
+            if self.dh32 is not None:  # fp16: the fp32 product, scaled, then rounded once
+                rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, torch.float32).mul_(self.post))
+            else:
+                rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, dlogits.dtype))
+            dq = ds = None
+        elif self.dh32 is not None:  # fp32 product, scaled, then rounded once
             acc = self.dh32[:dlogits.shape[0]]
             if acc.is_cuda:
                 torch.mm(dlogits, self.weight, out_dtype=torch.float32, out=acc)
@@ -261,7 +296,7 @@ class _Grads:
 
     def result(self, hidden, weight, bias):
         dh, dw = self.dh, self.dw
-        self.dh32 = None
+        self.dh32 = self.wt8 = None
         if dw is not None:
             if self.first:  # no chunk ran (T = 0)
                 dw.zero_()
@@ -274,6 +309,23 @@ class _Grads:
         none = hidden.new_empty(0)
         return (dh if dh is not None else none, dw if dw is not None else none.clone(),
                 db if db is not None else none.clone())
+
+
+def _fp8_gemm(a_q, a_s, b_q, b_s, bias, out_dtype):
+    """(a_q * a_s[:, None]) @ (b_q * b_s[:, None]).T, both e4m3 operands K-contiguous with rowwise scales."""
+    return scaled_matmul(a_q, b_q.t(), a_s[:, None], b_s[None, :], bias, out_dtype)
+
+
+def _chunk_logits_fp8(hidden, weight, bias, rows):
+    """`_chunk_logits` with the logits GEMM in e4m3: hidden per token and weight per vocabulary row, quantized
+    once per call; each chunk's logits are a fresh buffer (the consumer drops the last one first)."""
+    hq, hs = quantize_rows(hidden)
+    wq, ws = quantize_rows(weight)
+    for s in range(0, hidden.shape[0], rows):
+        e = min(s + rows, hidden.shape[0])
+        logits = _fp8_gemm(hq[s:e], hs[s:e], wq, ws, bias, hidden.dtype)
+        yield s, e, hidden[s:e], logits
+        logits = None
 
 
 def _chunk_logits(hidden, weight, bias, rows):
@@ -295,12 +347,13 @@ def _chunk_logits(hidden, weight, bias, rows):
 def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                              bias: Optional[torch.Tensor], ce_weight: Optional[torch.Tensor], ignore_index: int,
                              label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str,
-                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool
+                             chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool,
+                             fp8: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked forward on hidden (T, H), weight (V, H), target (T,), class weights ce_weight (V,) or None.
     Returns (loss, lse, dhidden, dweight, dbias): loss fp32 (0-dim, or (T,) for 'none'), lse (T,) fp32, and the
     gradients asked for (scaled for the reduction, for grad_output = 1; (0,) placeholders otherwise). 'none'
-    computes none."""
+    computes none. fp8: the logits and dhidden GEMMs in e4m3 (`linear_cross_entropy`'s precision='fp8')."""
     ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size = _validate_scalars(
         ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
     _validate_tensors(hidden, weight, target, bias, ce_weight)
@@ -323,12 +376,18 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, target:
         kernel_count = torch.full((), 1.0 / FP16_GRAD_SCALE, dtype=torch.float32, device=dev)
         post = kernel_count / count if mean else kernel_count
         mean = True
-    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=post) if grad else None
-    for s, e, h_c, logits in _chunk_logits(hidden, weight, bias, rows):
+    if fp8:
+        why = fp8_unsupported(hidden, weight, reduction)
+        if why is not None:
+            raise ValueError(f"linear_cross_entropy: precision='fp8' cannot take this call: {why}")
+    grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=post, fp8=fp8) if grad else None
+    chunks = _chunk_logits_fp8 if fp8 else _chunk_logits
+    for s, e, h_c, logits in chunks(hidden, weight, bias, rows):
         _ce_forward(logits, target[s:e], kernel_count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
                     label_smoothing, z_loss, softcap, mean, grad, wbuf)
         if grad:
             grads.add_chunk(logits, h_c, s)
+        logits = None  # before the next chunk's logits exist
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     if reduction == "none":
         loss = loss_rows
@@ -377,7 +436,7 @@ def scale_(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 # --- the op, declared once: custom ops (torch.compile), fakes, autograd, the eager path ---
 
 def _fake(hidden, weight, target, bias, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction,
-          chunk_size, need_dhidden, need_dweight, need_dbias):
+          chunk_size, need_dhidden, need_dweight, need_dbias, fp8=False):
     _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
     _validate_tensors(hidden, weight, target, bias, ce_weight)
     t = hidden.shape[0]
@@ -436,7 +495,7 @@ def _backward(ctx, kernels, dloss):
         f = dloss.detach().float() / ctx.applied
         grads = tuple((g.float() * f).to(g.dtype) for g in ctx.saved_tensors)
     dh, dw, db = (g if n else None for g, n in zip(grads, ctx.need))
-    return (dh, dw, None, db) + (None,) * 10
+    return (dh, dw, None, db) + (None,) * 11
 
 
 LINEAR_CROSS_ENTROPY = Op("linear_cross_entropy", linear_cross_entropy_fwd, fake=_fake, setup_context=_setup_context,
@@ -448,7 +507,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          bias: Optional[torch.Tensor] = None, *, ce_weight: Optional[torch.Tensor] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: Optional[float] = None, reduction: str = "mean",
-                         chunk_size: Optional[int] = None) -> torch.Tensor:
+                         chunk_size: Optional[int] = None, precision: str = "bf16") -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` without materializing the logits.
 
     hidden: (..., H) in float32, bfloat16 or float16, any strides; weight: (V, H) (nn.Linear's layout) and
@@ -465,8 +524,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     rows per chunk (default: `chunk_rows`, from ``MAX_CHUNK_BYTES``). Under torch.autocast the inputs are
     cast to the autocast dtype first, as for F.linear. A class index outside [0, V) raises on CPU tensors
     and gives NaN on the GPU. No double backward (create_graph=True raises).
+
+    ``precision="fp8"`` runs the logits GEMM and the dhidden GEMM in float8_e4m3fn with rowwise scales (hidden
+    per token and weight per vocabulary row for the logits; dlogits per token and weight per hidden column for
+    dhidden), fp32 accumulation; dweight stays in the inputs' dtype. It takes bf16 / fp16 inputs with H and V
+    multiples of 16, reduction 'mean' or 'sum', on a GPU with fp8 tensor cores (or the interpreter); other calls
+    raise ValueError with the reason (`fp8_unsupported`). It costs one byte per weight element twice (the two
+    quantized copies of the weight) while the call runs. "bf16" (the default): every GEMM in the inputs' dtype.
     """
     scalars = _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
+    if precision not in PRECISIONS:
+        raise ValueError(f"linear_cross_entropy: precision={precision!r} is not one of "
+                         f"{', '.join(map(repr, PRECISIONS))}")
     if isinstance(hidden, torch.Tensor) and not hidden.is_meta and torch.is_autocast_enabled(hidden.device.type):
         # The GEMMs run in the autocast dtype, as F.linear's would (fp32 master weights under bf16 autocast).
         dt = torch.get_autocast_dtype(hidden.device.type)
@@ -480,7 +549,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     grad = torch.is_grad_enabled()
     loss = LINEAR_CROSS_ENTROPY(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, ce_weight,
                                 *scalars, grad and hidden.requires_grad, grad and weight.requires_grad,
-                                grad and bias is not None and bias.requires_grad)
+                                grad and bias is not None and bias.requires_grad, precision == "fp8")
     return loss.view(target.shape) if reduction == "none" else loss
 
 

@@ -185,7 +185,7 @@ def _patch_attention(model, fam: Family, report, undo, modes) -> None:
                     f"model as trained)")
 
 
-def _patch_loss(model, fam: Family, report, undo, modes) -> None:
+def _patch_loss(model, fam: Family, report, undo, modes, precision: str = "bf16") -> None:
     from .loss import causal_lm_forward, loss_settings, loss_site
 
     settings = loss_settings(model, fam, report)
@@ -193,16 +193,18 @@ def _patch_loss(model, fam: Family, report, undo, modes) -> None:
         report.skip(f"{type(model).__name__} loss", settings)
         return
     settings.token = loss_site(model, modes, report).token
+    settings.precision = precision
     _bind(undo, model, causal_lm_forward, settings)
-    report.add("cross_entropy", type(model).__name__, "linear_cross_entropy on hidden states (labels, training)", 1)
+    report.add("cross_entropy", type(model).__name__, "linear_cross_entropy on hidden states (labels, training)"
+               + (", logits and dhidden GEMMs in fp8" if precision == "fp8" else ""), 1)
 
 
 PRECISIONS = ("bf16", "fp8")
 
 
-def _patch_fp8(model, report, undo, keep: bool) -> None:
-    """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings and the LM head
-    keep their dtype."""
+def _patch_fp8(model, report, undo, keep: bool, lm_head: bool) -> None:
+    """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings keep their dtype, and
+    the LM head too unless the fused loss runs it in fp8 (`lm_head`)."""
     from .modules import Fp8Settings, fp8_linear_forward
 
     layers = getattr(getattr(model, "model", model), "layers", None)
@@ -218,12 +220,15 @@ def _patch_fp8(model, report, undo, keep: bool) -> None:
     report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
                done)
     if done:
+        head = ("the LM head's logits and dhidden GEMMs run in fp8 inside the fused loss (its dweight GEMM in the "
+                "model's dtype)" if lm_head else "the LM head stays in the model's dtype")
         report.note("precision='fp8': the decoder layers' Linear GEMMs run in fp8 (bf16/fp16 masters and gradients); "
-                    "the embeddings and the LM head stay in the model's dtype")
+                    f"the embeddings stay in the model's dtype; {head}")
 
 
 def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attention=True, cross_entropy=True,
-          moe=True, swiglu=None, precision: str = "bf16", keep_quantized_weights: bool = False) -> PatchReport:
+          moe=True, swiglu=None, precision: str = "bf16", keep_quantized_weights: bool = False,
+          fp8_lm_head: bool = True) -> PatchReport:
     """Run kernelkit's kernels inside this Hugging Face model instance; returns what was replaced.
 
     Switches: `rms_norm`, `mlp` (SwiGLU / GeGLU; `swiglu` is an alias), `rope`, `attention`,
@@ -236,6 +241,8 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
     `precision="fp8"` also runs every nn.Linear of the decoder layers in fp8 (forward and both backward GEMMs,
     e4m3 with rowwise scales, `kernelkit.ops.fp8_linear`); a call fp8 cannot take (no fp8 tensor cores, dims
     not multiples of 16, fp32) stays in its dtype, counted in the report. "bf16" (the default) leaves them.
+    With fp8 the fused loss (`cross_entropy`) also runs the LM head's logits and dhidden GEMMs in fp8 (its
+    dweight GEMM stays in the model's dtype); `fp8_lm_head=False` keeps the whole LM head in the model's dtype.
     `keep_quantized_weights=True` (with fp8) keeps each weight's fp8 copies until the weight changes (an
     optimizer step): with gradient accumulation they are made once per step, at one byte per weight element each.
     The report's `choices` say, per switch and shape, which path runs and the measured ratio. Families:
@@ -256,14 +263,19 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
         raise ValueError("this model is patched already; call kernelkit.unpatch(model) first")
     fam = find_family(model)
     report, undo = PatchReport(model=type(model).__name__, family=fam.name), _Undo()
+    if not isinstance(fp8_lm_head, bool):
+        raise ValueError(f"kernelkit.patch: fp8_lm_head={fp8_lm_head!r} is not True or False")
+    lm_precision = "fp8" if precision == "fp8" and fp8_lm_head else "bf16"
     steps = {"rms_norm": _patch_norms, "mlp": _patch_mlps, "moe": _patch_moe, "rope": _patch_rope,
-             "attention": _patch_attention, "cross_entropy": _patch_loss}
+             "attention": _patch_attention,
+             "cross_entropy": lambda *a: _patch_loss(*a, precision=lm_precision)}
     try:
         for kind, step in steps.items():
             if modes[kind] is not None:
                 step(model, fam, report, undo, modes)
         if precision == "fp8":
-            _patch_fp8(model, report, undo, keep_quantized_weights)
+            _patch_fp8(model, report, undo, keep_quantized_weights,
+                       lm_precision == "fp8" and modes["cross_entropy"] is not None)
     except BaseException:
         undo.restore()
         raise

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.linear_cross_entropy import fp8_unsupported, linear_cross_entropy
 from . import choose
 from .modules import CPU_REASON, DTENSOR_REASON, any_dtensor, runs_kernels
 from .report import PatchReport
@@ -36,6 +36,7 @@ class LossSettings:
     linear_cross_entropy: Callable
     report: PatchReport
     token: int | None = None  # the choose.Site deciding kernelkit or the original
+    precision: str = "bf16"  # "fp8": the logits and dhidden GEMMs in e4m3 (patch(precision="fp8"), fp8_lm_head)
 
 
 def loss_settings(model, family, report: PatchReport) -> LossSettings | str:
@@ -78,16 +79,27 @@ def causal_lm_forward(self, *args, **kwargs):
         tokens = labels.numel() if not isinstance(keep, int) or keep == 0 else labels.shape[0] * keep
         key = (choose.bucket(tokens), w.shape[1], w.shape[0], choose.dtype_name(w.dtype),
                getattr(self.config, "final_logit_softcapping", None), self.lm_head.bias is not None,
-               torch.is_grad_enabled())
+               torch.is_grad_enabled(), _precision(kk, self.lm_head.weight))
         if not choose.decide(kk.token, key):
             return type(self).forward(self, *args, **kwargs)
     return _fused(self, kk, call)
 
 
+def _precision(kk: LossSettings, weight: torch.Tensor, reduction: str = "mean") -> str:
+    """The LM head's precision for this call: kk.precision, or "bf16" where fp8 cannot take it (counted)."""
+    if kk.precision != "fp8":
+        return kk.precision
+    why = fp8_unsupported(weight, weight, reduction)
+    if why is not None:
+        kk.report.fell_back("fp8 lm_head", why)
+        return "bf16"
+    return "fp8"
+
+
 def _loss_trial(model, key):
     """The loss from the hidden states both ways: kernelkit's fused one, and the model's (the lm_head's
     logits, softcapped, upcast to fp32, cross-entropy), or None when the model's logits would not fit."""
-    tokens, hidden, vocab, dtype, softcap, bias, grad = key
+    tokens, hidden, vocab, dtype, softcap, bias, grad, precision = key
     head = model.lm_head
     dev, dt = head.weight.device, getattr(torch, dtype)
     logits_bytes = tokens * vocab * (dt.itemsize + 4 + 4)  # logits, their fp32 copy, its gradient
@@ -104,14 +116,14 @@ def _loss_trial(model, key):
         return F.cross_entropy(logits.float(), labels)
 
     wrt = [t for t in (h, head.weight, head.bias) if isinstance(t, torch.Tensor) and t.requires_grad] if grad else []
-    return choose.Trial(lambda: linear_cross_entropy(h, head.weight, labels, head.bias, softcap=softcap),
-                        original, wrt)
+    return choose.Trial(lambda: linear_cross_entropy(h, head.weight, labels, head.bias, softcap=softcap,
+                                                     precision=precision), original, wrt)
 
 
 def _loss_shape(key) -> str:
-    tokens, hidden, vocab, dtype, softcap, bias, grad = key
+    tokens, hidden, vocab, dtype, softcap, bias, grad, precision = key
     return (f"{tokens} tokens x {hidden} -> vocab {vocab} {dtype}{f' softcap {softcap:g}' if softcap else ''} "
-            f"{'fwd+bwd' if grad else 'fwd'}")
+            f"{'fwd+bwd' if grad else 'fwd'}{' fp8' if precision == 'fp8' else ''}")
 
 
 def loss_site(model, modes: dict, report: PatchReport) -> choose.Site:
@@ -172,10 +184,11 @@ def _fused(model, kk: LossSettings, call: dict):
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     num_items = call.get("num_items_in_batch")
     lm_head = model.lm_head
+    reduction = "sum" if num_items is not None else "mean"
     loss = kk.linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, shift_labels.reshape(-1).to(hidden.device),
         lm_head.bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
-        reduction="sum" if num_items is not None else "mean").float()
+        reduction=reduction, precision=_precision(kk, lm_head.weight, reduction)).float()
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 

@@ -25,11 +25,13 @@ from pathlib import Path
 # kernelkit: each switch runs kernelkit only where measured faster than the model's code (the default);
 # kernelkit-always: every switch forced to kernelkit.
 # ...+compile-ro: torch.compile(mode="reduce-overhead"), CUDA graphs around the compiled regions.
-# kernelkit-fp8: kernelkit.patch(model, precision="fp8"), the decoder layers' Linear GEMMs in fp8.
+# kernelkit-fp8: kernelkit.patch(model, precision="fp8"), the decoder layers' Linear GEMMs in fp8, and the LM head's
+# logits and dhidden GEMMs inside the fused loss; kernelkit-fp8-layers: the same with fp8_lm_head=False.
 # torchao-fp8: the unpatched model with torchao's float8 training on the same Linears (`apply_torchao_fp8`).
 VARIANTS = ("eager", "torch.compile", "liger", "kernelkit", "kernelkit+compile", "kernelkit-always",
             "kernelkit-always+compile", "torch.compile-ro", "kernelkit+compile-ro", "kernelkit-fp8",
-            "kernelkit-fp8+compile", "torchao-fp8", "torchao-fp8+compile")
+            "kernelkit-fp8+compile", "kernelkit-fp8-layers", "kernelkit-fp8-layers+compile", "torchao-fp8",
+            "torchao-fp8+compile")
 
 # Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256).
 LLAMA = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -152,7 +154,7 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
                            cross_entropy="kernelkit", moe="kernelkit")
         else:
             report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
-                           moe="auto", precision=precision)
+                           moe="auto", precision=precision, fp8_lm_head="fp8-layers" not in variant)
     if variant.startswith("torchao"):
         row["patch"] = apply_torchao_fp8(model)
     run = torch.compile(model) if variant.endswith("compile") else \
