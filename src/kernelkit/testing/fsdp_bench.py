@@ -430,7 +430,8 @@ def main(argv=None) -> None:
             except torch.cuda.OutOfMemoryError as e:  # every rank runs out alike: the group goes on to the next
                 rows.append({"variant": v, "layers": config.num_hidden_layers, "world_size": dist.get_world_size(),
                              "error": f"out of memory: {str(e)[:300]}"})
-                gc.collect()
+            gc.collect()  # here, not in the handler: its traceback still holds the variant's model
+            if cuda:
                 torch.cuda.empty_cache()
             if dist.get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
