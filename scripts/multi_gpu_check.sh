@@ -50,10 +50,13 @@ if has bench; then
     brc=$?; log "bench $1 GPU(s) $2 layers rc=$brc (124: timed out)"; [ $brc = 0 ] || rc=1
     grep -E '^\{"variant"' "$OUT/bench-$1gpu-$2l.log" | tee -a "$OUT/steps.log"
   }
-  bench_run "$NPROC" "${LAYERS:-32}" "${VARIANTS:-all}" "${BENCH_TIMEOUT:-420}"
-  for n in ${SCALE_NPROCS:-1 2 $NPROC}; do
-    bench_run "$n" "${SCALE_LAYERS:-8}" "${SCALE_VARIANTS:-eager,kernelkit,torchtitan}" "${SCALE_TIMEOUT:-150}"
-  done
+  # LAYERS=0 or SCALE_LAYERS=0 leaves that part out (the two parts as two device calls)
+  [ "${LAYERS:-32}" = 0 ] || bench_run "$NPROC" "${LAYERS:-32}" "${VARIANTS:-all}" "${BENCH_TIMEOUT:-420}"
+  if [ "${SCALE_LAYERS:-8}" != 0 ]; then
+    for n in ${SCALE_NPROCS:-1 2 $NPROC}; do
+      bench_run "$n" "${SCALE_LAYERS:-8}" "${SCALE_VARIANTS:-eager,kernelkit,torchtitan}" "${SCALE_TIMEOUT:-150}"
+    done
+  fi
   # every row in one file, the scaling efficiency set against the fewest GPUs that ran the same config
   python3 -c "import glob, json, sys; from kernelkit.testing.fsdp_bench import add_scaling
 docs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/fsdp_bench-*gpu-*l.json'))]
