@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# kernelkit under torch.distributed on one host with >= 2 GPUs (issue 31), in under 6 minutes:
+# kernelkit under torch.distributed on one host with >= 2 GPUs (issue 31); parity ~1 min, bench ~8 min on 4 x H100:
 #  1. parity: tests/test_distributed.py's checks on every GPU with NCCL (FSDP2 patched vs unpatched over 2 SGD
 #     steps, with activation checkpointing, bf16 with the attention kernel; DCP save/load; tensor parallel on local
 #     shards; SequenceParallel and DTensor arguments refused) -> $OUT/parity/parity-rank<r>.json
-#  2. throughput: Llama-3-8B layer shapes (LAYERS decoder layers, full vocab) under FSDP2, one training step
-#     (AdamW), kernelkit.patch vs unpatched (SDPA): tokens/s per GPU, peak memory per rank -> $OUT/fsdp_bench.json
+#  2. bench: Llama-3-8B shapes under FSDP2 (AdamW, bf16, full vocab), one training step per variant (eager, compile,
+#     liger, kernelkit, kernelkit+compile, kernelkit-fp8, torchtitan's recipe): LAYERS=32 on NPROC GPUs with VARIANTS,
+#     then the scaling runs, SCALE_LAYERS=8 on each of SCALE_NPROCS="1 2 NPROC" with SCALE_VARIANTS: step ms,
+#     tokens/s per GPU and in total, MFU, peak GiB per rank, first/last loss, scaling efficiency
+#     -> $OUT/fsdp_bench-<n>gpu-<layers>l.json, $OUT/fsdp_bench.json (every row), $OUT/bench-*.log
+#     WHEELS: wheels (files or folders) installed first into /tmp/site, no index (torchtitan, liger; see docs)
 #
 #   export PYTHONPATH=$PWD/src; OUT=/tmp/out scripts/multi_gpu_check.sh
-#   optional: NPROC (default: every GPU), LAYERS=2 (2-4), SEQ=2048, BATCH=1 (per GPU), STEPS=5, STAGES=parity,bench
+#   optional: NPROC (default: every GPU), SEQ=2048, BATCH=1 (per GPU), STEPS=5, WARMUP=3, STAGES=parity,bench
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
@@ -32,11 +36,31 @@ if has parity; then
 fi
 
 if has bench; then
-  log "FSDP2 throughput, Llama-3-8B shapes, ${LAYERS:-2} layers, seq ${SEQ:-2048}, batch ${BATCH:-1} per GPU"
+  for w in ${WHEELS:-}; do  # the image has no network: wheels travel in the git-ignored .whl/
+    if [ -d "$w" ]; then set -- "$w"/*.whl; else set -- $w; fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@" || rc=1
+  done
+  [ -n "${WHEELS:-}" ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
   # kernelkit.patch as users call it: each switch keeps kernelkit only where it measured faster (the default)
-  timeout "${BENCH_TIMEOUT:-190}" $RUN -m kernelkit.testing.distributed --layers "${LAYERS:-2}" --seq "${SEQ:-2048}" \
-    --batch "${BATCH:-1}" --steps "${STEPS:-5}" --out "$OUT/fsdp_bench.json" >"$OUT/bench.log" 2>&1
-  brc=$?; log "bench rc=$brc"; [ $brc = 0 ] || rc=1
-  [ -f "$OUT/fsdp_bench.json" ] && cat "$OUT/fsdp_bench.json"
+  bench_run() {  # nproc layers variants timeout
+    log "FSDP2 bench: $2 layers on $1 GPU(s), seq ${SEQ:-2048}, batch ${BATCH:-1} per GPU, variants $3"
+    timeout "$4" python3 -m torch.distributed.run --standalone --nproc_per_node="$1" -m kernelkit.testing.fsdp_bench \
+      --layers "$2" --seq "${SEQ:-2048}" --batch "${BATCH:-1}" --steps "${STEPS:-5}" --warmup "${WARMUP:-3}" \
+      --variants "$3" --out "$OUT/fsdp_bench-$1gpu-$2l.json" >"$OUT/bench-$1gpu-$2l.log" 2>&1
+    brc=$?; log "bench $1 GPU(s) $2 layers rc=$brc (124: timed out)"; [ $brc = 0 ] || rc=1
+    grep -E '^\{"variant"' "$OUT/bench-$1gpu-$2l.log" | tee -a "$OUT/steps.log"
+  }
+  # LAYERS=0 or SCALE_LAYERS=0 leaves that part out (the two parts as two device calls)
+  [ "${LAYERS:-32}" = 0 ] || bench_run "$NPROC" "${LAYERS:-32}" "${VARIANTS:-all}" "${BENCH_TIMEOUT:-420}"
+  if [ "${SCALE_LAYERS:-8}" != 0 ]; then
+    for n in ${SCALE_NPROCS:-1 2 $NPROC}; do
+      bench_run "$n" "${SCALE_LAYERS:-8}" "${SCALE_VARIANTS:-eager,kernelkit,torchtitan}" "${SCALE_TIMEOUT:-150}"
+    done
+  fi
+  # every row in one file, the scaling efficiency set against the fewest GPUs that ran the same config
+  python3 -c "import glob, json, sys; from kernelkit.testing.fsdp_bench import add_scaling
+docs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/fsdp_bench-*gpu-*l.json'))]
+rows = add_scaling([r for d in docs for r in d['rows']])
+json.dump({'environment': docs[0]['environment'] if docs else {}, 'rows': rows}, open(sys.argv[1] + '/fsdp_bench.json', 'w'), indent=1)" "$OUT" || rc=1
 fi
 exit $rc

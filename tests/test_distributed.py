@@ -355,33 +355,3 @@ def main(out_dir: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "multi_gpu_out"))
-
-
-def test_bench_nproc_runs_torchrun_on_n_and_one(monkeypatch, tmp_path):
-    """`bench model --nproc N`: one torchrun on N GPUs and one on a single GPU; the rows carry tokens/s in total
-    and the scaling efficiency against one GPU (faked torchrun: the command and the arithmetic)."""
-    import json
-    import subprocess
-
-    calls = []
-
-    def fake_run(cmd, **kw):
-        n = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
-        calls.append(n)
-        out = cmd[cmd.index("--out") + 1]
-        rows = [{"variant": v, "world_size": n, "step_ms": 50.0, "tokens_per_s_per_gpu": tps / (1.1 if n > 1 else 1.0),
-                 "peak_gib_per_rank": [9.0] * n} for v, tps in (("eager (sdpa)", 1000.0), ("kernelkit.patch", 1200.0))]
-        with open(out, "w") as f:
-            json.dump({"gpu": "fake", "torch": "x", "rows": rows}, f)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    doc = kkdist.run_nproc(4, out=tmp_path)
-    assert sorted(calls) == [1, 4]
-    four = [r for r in doc["rows"] if r["world_size"] == 4]
-    assert {r["scaling_efficiency"] for r in four} == {round(1 / 1.1, 3)}
-    assert four[1]["tokens_per_s_total"] == pytest.approx(4 * 1200 / 1.1, rel=1e-3)
-    assert (tmp_path / "model-nproc.json").exists()
-    with pytest.raises(ValueError, match="has 4 CUDA GPU"):
-        kkdist.run_nproc(8)

@@ -52,7 +52,7 @@ def test_multi_gpu_check_parses_and_its_modules_exist():
     subprocess.run(["bash", "-n", str(SCRIPTS / "multi_gpu_check.sh")], check=True)
     text = (SCRIPTS / "multi_gpu_check.sh").read_text()
     modules = set(re.findall(r"-m ((?:tests|kernelkit)\.[\w.]+)", text))
-    assert modules == {"tests.test_distributed", "kernelkit.testing.distributed"}
+    assert modules == {"tests.test_distributed", "kernelkit.testing.fsdp_bench"}
     for m in modules:
         path = SCRIPTS.parent / ("src/" if m.startswith("kernelkit") else "") / (m.replace(".", "/") + ".py")
         assert path.is_file(), m

@@ -163,9 +163,11 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
                                                       "with kernelkit.patch(model, precision='fp8') and with "
                                                       "torchao's float8 training (rowwise) as the anchor"),
           nproc: int = typer.Option(1, min=1, help="bench model: GPUs of this host; above 1, the FSDP2 training step "
-                                                   "(kernelkit.patch vs unpatched, AdamW) under torchrun on N GPUs and "
-                                                   "on one: tokens/s per GPU and in total, scaling efficiency, peak "
-                                                   "memory per rank (Llama-3-8B layer shapes)"),
+                                                   "(AdamW) per variant under torchrun on N GPUs and on one: tokens/s "
+                                                   "per GPU and in total, MFU, scaling efficiency, peak memory per rank "
+                                                   "(Llama-3-8B layer shapes); variants: eager, compile, liger, "
+                                                   "kernelkit, kernelkit+compile, kernelkit-fp8, torchtitan (default: "
+                                                   "all)"),
           variants: str = typer.Option("eager,torch.compile,liger,kernelkit,kernelkit+compile",
                                        help="bench model: comma list of variants (also kernelkit-always, "
                                             "kernelkit-always+compile: every switch forced to kernelkit; "
@@ -184,19 +186,28 @@ def bench(op: str = typer.Argument(..., help="registered op name, e.g. rms_norm;
             console.print("[red]kernelkit bench model needs a CUDA GPU[/].")
             raise typer.Exit(2)
         if nproc > 1:
-            from ..testing.distributed import run_nproc
+            from ..testing.fsdp_bench import run_nproc
 
+            single_gpu_default = variants == "eager,torch.compile,liger,kernelkit,kernelkit+compile"
             try:
                 with console.status("") as status:
                     doc = run_nproc(nproc, layers or 2, batch, seq, steps, out,
-                                    progress=lambda v: status.update(f"[bold]bench model --nproc {nproc}[/]: {v}"))
+                                    progress=lambda v: status.update(f"[bold]bench model --nproc {nproc}[/]: {v}"),
+                                    variants="all" if single_gpu_default else variants)
             except (ValueError, RuntimeError) as e:
                 console.print(f"[red]kernelkit bench model --nproc {nproc}:[/] {e}")
                 raise typer.Exit(2)
             for r in doc["rows"]:
-                console.print(f"{r['world_size']} GPU(s)  {r['variant']:<16} {r['step_ms']:8.1f} ms/step  "
-                              f"{r['tokens_per_s_per_gpu']:10.0f} tok/s/GPU  {r['tokens_per_s_total']:10.0f} tok/s  "
-                              f"scaling {r['scaling_efficiency']:.2f}  peak {max(r['peak_gib_per_rank']):.1f} GiB/rank")
+                head = f"{r['world_size']} GPU(s)  {r['variant']:<18}"
+                if "step_ms" not in r:
+                    console.print(f"{head} {r.get('skipped') or r.get('error')}")
+                    continue
+                eff = "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency']:.2f}"
+                mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+                console.print(f"{head} {r['step_ms']:8.1f} ms/step  {r['tokens_per_s_per_gpu']:10.0f} tok/s/GPU  "
+                              f"{r['tokens_per_s_total']:10.0f} tok/s  MFU {mfu}  scaling {eff}  "
+                              f"peak {r.get('peak_gib_max', 0):.1f} GiB/rank  loss {r['first_loss']:.3f} -> "
+                              f"{r['last_loss']:.3f}")
             console.print(f"wrote {out / 'model-nproc.json'}")
             return
         chosen = tuple(v.strip() for v in variants.split(",") if v.strip())

@@ -1,5 +1,5 @@
 """kernelkit under PyTorch's own distributed engine: process groups for tests, FSDP2 and tensor-parallel plans
-for Hugging Face decoder models, and the multi-GPU throughput comparison of scripts/multi_gpu_check.sh.
+for Hugging Face decoder models (the multi-GPU throughput comparison that uses them: fsdp_bench.py).
 
 kernelkit needs nothing of its own to run distributed. Under FSDP2 (`fully_shard`) a module's parameters are
 gathered into plain tensors before its forward, so a patched forward hands kernelkit plain tensors. Under tensor
@@ -13,26 +13,19 @@ local shard's storage, a silently wrong result.
     mesh = device_mesh()               # a 1-D DeviceMesh over the group (needs init_process_group first)
     fully_shard_model(model, mesh)     # FSDP2: each decoder layer, then the root
     tensor_parallel(model, mesh)       # Colwise q/k/v, gate/up; Rowwise o/down (sequence_parallel=True: + norms)
-
-    torchrun --nproc_per_node=N -m kernelkit.testing.distributed --layers 2 --out bench.json   # GPUs, NCCL
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import socket
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..patch import patch
-from .model_bench import build_config
 
 
 def require_process_group(what: str):
@@ -156,121 +149,3 @@ def tensor_parallel(model: torch.nn.Module, mesh=None, sequence_parallel: bool =
         if n is not None and n % world:
             raise ValueError(f"config.{attr}={n} does not divide by the world size {world}")
     return parallelize_module(model, mesh if mesh is not None else device_mesh(), tensor_parallel_plan(sequence_parallel))
-
-
-# --- the multi-GPU throughput comparison (scripts/multi_gpu_check.sh), one process per GPU under torchrun ---
-
-def _bench_variant(patched: bool, layers: int, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    dist = require_process_group("kernelkit.testing.distributed bench")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = build_config("llama", None, layers, seq)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
-    report = patch(model) if patched else None
-    fully_shard_model(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    g = torch.Generator(device="cuda").manual_seed(1 + rank)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=g)
-    losses = []
-
-    def step():
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-    peaks = [torch.zeros_like(peak) for _ in range(world)]
-    dist.all_gather(peaks, peak)
-    row = {"variant": "kernelkit.patch" if patched else "eager (sdpa)", "layers": layers, "batch_per_gpu": batch,
-           "seq": seq, "world_size": world, "step_ms": round(dt * 1e3, 2),
-           "tokens_per_s_per_gpu": round(batch * seq / dt, 1), "peak_gib_per_rank": [round(p.item(), 3) for p in peaks],
-           "first_loss": losses[0], "last_loss": losses[-1]}
-    if report is not None:
-        row["fallbacks"] = {f"{k[0]}: {k[1]}": v for k, v in report.fallbacks.items()}
-    del model, opt
-    torch.cuda.empty_cache()
-    return row
-
-
-def bench_main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="FSDP2 training step, kernelkit.patch vs unpatched, Llama-3-8B layers")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=1, help="sequences per GPU")
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    import torch.distributed as dist
-
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    try:
-        rows = [_bench_variant(p, a.layers, a.batch, a.seq, a.steps, a.warmup) for p in (False, True)]
-        if dist.get_rank() == 0:
-            base, kk = rows
-            doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-                   "speedup": round(kk["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)}
-            Path(a.out).write_text(json.dumps(doc, indent=1))
-            print(json.dumps(doc, indent=1))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_nproc(nproc: int, layers: int = 2, batch: int = 1, seq: int = 2048, steps: int = 5, out: Path | None = None,
-              progress=None, timeout: float = 1800.0) -> dict:
-    """`kernelkit bench model --nproc N`: the FSDP2 comparison under torchrun on N GPUs of this host, and on one
-    GPU for the scaling efficiency (tokens/s per GPU on N over tokens/s on 1), each in its own torchrun."""
-    import subprocess
-    import sys
-    import tempfile
-
-    if nproc < 1:
-        raise ValueError(f"nproc must be at least 1, got {nproc}")
-    have = torch.cuda.device_count()
-    if nproc > have:
-        raise ValueError(f"nproc={nproc} but this host has {have} CUDA GPU(s)")
-    docs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in sorted({1, nproc}):
-            if progress:
-                progress(f"FSDP2 on {n} GPU(s), torchrun")
-            path = os.path.join(tmp, f"n{n}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                   "-m", "kernelkit.testing.distributed", "--layers", str(layers), "--batch", str(batch),
-                   "--seq", str(seq), "--steps", str(steps), "--out", path]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0 or not os.path.exists(path):
-                raise RuntimeError(f"torchrun on {n} GPU(s) failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
-            docs[n] = json.loads(Path(path).read_text())
-    rows = []
-    for n, doc in sorted(docs.items()):
-        for r in doc["rows"]:
-            one = next(x for x in docs[1]["rows"] if x["variant"] == r["variant"])
-            rows.append({**r, "tokens_per_s_total": round(r["tokens_per_s_per_gpu"] * n, 1),
-                         "scaling_efficiency": round(r["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"], 3)})
-    result = {"gpu": docs[nproc]["gpu"], "torch": docs[nproc]["torch"], "nproc": nproc, "rows": rows}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "model-nproc.json").write_text(json.dumps(result, indent=1))
-    return result
-
-
-if __name__ == "__main__":
-    bench_main()

@@ -120,6 +120,44 @@ def _median_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
+def unavailable(variant: str) -> str | None:
+    """Why this environment cannot run `variant` (a package it needs does not import), or None. Asked before a
+    model is built: CPU CI has neither Liger nor torchao, and no GPU."""
+    if variant.startswith("torchao"):
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as e:
+            return f"torchao is not installed (import torchao.float8: {e})"
+    if variant == "liger":
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401
+        except ImportError as e:
+            return f"Liger-Kernel is not installed (import liger_kernel.transformers: {e})"
+    return None
+
+
+def apply_variant(model, variant: str):
+    """The part of a variant that changes the model itself, before any torch.compile and any sharding:
+    Liger's patch, kernelkit.patch (auto switches, or forced with -always, fp8 Linears with -fp8) or torchao's
+    float8 training. Returns kernelkit's PatchReport, torchao's summary, or None."""
+    if variant == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    if variant.startswith("kernelkit"):
+        from ..patch import patch  # transformers' model classes, loaded with the variant that needs them
+
+        if "always" in variant:
+            return patch(model, rms_norm="kernelkit", mlp="kernelkit", rope="kernelkit", attention="kernelkit",
+                         cross_entropy="kernelkit", moe="kernelkit")
+        return patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
+                     moe="auto", precision="fp8" if "fp8" in variant else "bf16",
+                     fp8_lm_head="fp8-layers" not in variant)
+    if variant.startswith("torchao"):
+        return apply_torchao_fp8(model)
+    return None
+
+
 def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_path: str | None,
                 ref_grads_path: str | None, kernels: bool = False) -> dict:
     """One row, in this process; `kernels`: also `kernel_table` of two training steps."""
@@ -127,11 +165,9 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     from transformers import AutoModelForCausalLM
 
     row: dict = {"variant": variant}
-    if variant.startswith("torchao"):  # before the model is built: CPU CI has no torchao, and no GPU
-        try:
-            import torchao.float8  # noqa: F401
-        except ImportError as e:
-            return {**row, "skipped": f"torchao is not installed (import torchao.float8: {e})"}
+    reason = unavailable(variant)
+    if reason:
+        return {**row, "skipped": reason}
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
@@ -139,24 +175,9 @@ def run_variant(variant: str, config, batch: int, seq: int, steps: int, grads_pa
     model.train()
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
-    if variant == "liger":
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        except ImportError:
-            return {**row, "skipped": "Liger-Kernel is not installed"}
-        _apply_liger_kernel_to_instance(model=model)
-    if variant.startswith("kernelkit"):
-        from ..patch import patch  # transformers' model classes, loaded with the variant that needs them
-
-        precision = "fp8" if "fp8" in variant else "bf16"
-        if "always" in variant:
-            report = patch(model, rms_norm="kernelkit", mlp="kernelkit", rope="kernelkit", attention="kernelkit",
-                           cross_entropy="kernelkit", moe="kernelkit")
-        else:
-            report = patch(model, rms_norm="auto", mlp="auto", rope="auto", attention="auto", cross_entropy="auto",
-                           moe="auto", precision=precision, fp8_lm_head="fp8-layers" not in variant)
+    report = apply_variant(model, variant)
     if variant.startswith("torchao"):
-        row["patch"] = apply_torchao_fp8(model)
+        row["patch"] = report
     run = torch.compile(model) if variant.endswith("compile") else \
         torch.compile(model, mode="reduce-overhead") if variant.endswith("compile-ro") else model
 
