@@ -186,3 +186,45 @@ def test_link_cache_round_trip(monkeypatch, tmp_path):
     path = coll.save_link(link, fp)
     assert path.parent == tmp_path / "ceilings" and coll.load_link(2, fp)["busbw_gbps"] == 0.75
     assert coll.load_link(4, fp) is None and coll.load_link(2, {**fp, "driver": "y"}) is None
+
+
+def _small_sweep(rank, world):
+    return coll.sweep(sizes=(2**12, 2**16))
+
+
+# Two spawned processes import kernelkit (~6 s each): `make test-all` runs it; test_distributed.py's group runs the
+# same sweep (check_collectives_and_profile) beside its other checks, and on GPUs under NCCL.
+@pytest.mark.slow
+def test_the_sweep_runs_on_two_gloo_ranks():
+    """End to end on CPU tensors: gloo has all_gather_into_tensor and reduce_scatter_tensor (NCCL on GPUs)."""
+    from kernelkit.testing.distributed import spawn
+
+    docs = spawn(_small_sweep, 2)
+    assert [len(d["rows"]) for d in docs] == [4, 4] and docs[0]["backend"] == "gloo" and docs[0]["ranks"] == 2
+    for r in docs[0]["rows"]:  # the slowest rank's time: both ranks report the same
+        assert r["ms"] > 0 and r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2)
+    assert [r["ms"] for r in docs[0]["rows"]] == [r["ms"] for r in docs[1]["rows"]]
+
+
+def test_doctor_skips_the_link_sweep_with_one_gpu(monkeypatch):
+    from rich.console import Console
+
+    from kernelkit.commands.distributed import link_sweep
+
+    console = Console(record=True, width=200)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert link_sweep(console) is None
+    assert "link sweep skipped: 1 GPU visible: all-gather and reduce-scatter need >= 2" in console.export_text()
+
+
+def test_cli_doctor_without_a_gpu_says_why_no_link(tmp_path):
+    from typer.testing import CliRunner
+
+    from kernelkit.commands.cli import app
+
+    res = CliRunner().invoke(app, ["doctor", "--json", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    assert "link sweep skipped: no CUDA GPU is visible" in res.output
+    assert json.loads((tmp_path / "d.json").read_text())["link"] is None
+    assert "link sweep" not in CliRunner().invoke(app, ["doctor", "--no-link"]).output

@@ -85,7 +85,11 @@ def time_collective(kind: str, nbytes: int, calls: int = 0, warmup: int = 2) -> 
     ranks = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     out, inp = _buffers(kind, nbytes, ranks, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    op = dist.all_gather_into_tensor if kind == "all_gather" else dist.reduce_scatter_tensor
+    # torch 2.13 renamed them (*_single); FSDP2 calls the same c10d ops either way
+    if kind == "all_gather":
+        op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    else:
+        op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     calls = calls or max(2, min(20, (2 << 30) // nbytes))
     for _ in range(warmup):
         op(out, inp)

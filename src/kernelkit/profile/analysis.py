@@ -519,7 +519,8 @@ def fusible_chains(per_step, ceilings: Ceilings, reg: _Registry | None, measured
     for i, r in enumerate(first):
         if (r.kernels is not None and not r.kernels) or r.bytes == 0:
             continue  # ran on the CPU or moved nothing: neither part of a chain nor a break in one
-        if is_matmul(r.op) or is_comm(r.op) or r.op.startswith("kernelkit::") or \
+        # FSDP2's copies in and out of its flat buffers (fsdp::all_gather_copy_in) belong to its collectives
+        if is_matmul(r.op) or is_comm(r.op) or r.op.startswith(("kernelkit::", "fsdp::")) or \
                 place(_cost(r), ceilings).regime == "compute":
             close()
             continue
