@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .ceilings import _atomic_write, _kernelkit_version, cache_dir, device_fingerprint
+
 # 1 MiB .. 1 GiB, x4: FSDP2 moves one flat buffer per unit, from a few MiB (a norm, a small layer) to ~1 GiB
 # (Llama-3-8B's embedding in bf16 is 1 GiB unsharded).
 SWEEP_BYTES = tuple(1 << p for p in range(20, 31, 2))
@@ -142,8 +144,6 @@ def size_reaching(link: dict, kind: str, share: float = 0.8) -> int | None:
 
 
 def _link_path(fp: dict, ranks: int) -> Path:
-    from .ceilings import _kernelkit_version, cache_dir
-
     keyed = {**fp, "ranks": ranks, "kernelkit": _kernelkit_version(), "link_cache_version": LINK_CACHE_VERSION,
              "sizes": list(SWEEP_BYTES)}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
@@ -152,8 +152,6 @@ def _link_path(fp: dict, ranks: int) -> Path:
 
 def save_link(link: dict, fp: dict) -> Path:
     """Keep a sweep beside the measured ceilings (same directory, same fingerprint, plus the rank count)."""
-    from .ceilings import _atomic_write
-
     path = _link_path(fp, link["ranks"])
     _atomic_write(path, {**link, "fingerprint": fp})
     return path
@@ -161,8 +159,6 @@ def save_link(link: dict, fp: dict) -> Path:
 
 def load_link(ranks: int, fp: dict | None = None) -> dict | None:
     """The cached sweep of `ranks` GPUs of this kind (None: never measured, or unreadable)."""
-    from .ceilings import device_fingerprint
-
     try:
         fp = fp or device_fingerprint()
         doc = json.loads(_link_path(fp, ranks).read_text())
