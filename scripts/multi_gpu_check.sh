@@ -9,9 +9,16 @@
 #     tokens/s per GPU and in total, MFU, peak GiB per rank, first/last loss, scaling efficiency
 #     -> $OUT/fsdp_bench-<n>gpu-<layers>l.json, $OUT/fsdp_bench.json (every row), $OUT/bench-*.log
 #     WHEELS: wheels (files or folders) installed first into /tmp/site, no index (torchtitan, liger; see docs)
+#  3. doctor (not by default): this GPU's ceilings and the link sweep, all-gather and reduce-scatter 1 MiB..1 GiB on
+#     every visible GPU (NCCL, spawned ranks), cached for the profile stage -> $OUT/doctor.json, $OUT/doctor.log
+#  4. profile (not by default): `kernelkit profile --example hf-llama3-8b` (2 layers, seq 2048, batch 1 per GPU)
+#     under torchrun with FSDP2: NCCL kernels, bus bandwidth vs the link, exposed communication, one report per
+#     rank -> $OUT/profile/profile-rank<r>.json, trace-rank<r>.json, $OUT/profile.log (rank 0's summary)
 #
 #   export PYTHONPATH=$PWD/src; OUT=/tmp/out scripts/multi_gpu_check.sh
-#   optional: NPROC (default: every GPU), SEQ=2048, BATCH=1 (per GPU), STEPS=5, WARMUP=3, STAGES=parity,bench
+#   STAGES=doctor,profile OUT=/tmp/out scripts/multi_gpu_check.sh      # ~1.5 min on 4 GPUs
+#   optional: NPROC (default: every GPU), SEQ=2048, BATCH=1 (per GPU), STEPS=5, WARMUP=3,
+#             STAGES=parity,bench (also doctor, profile)
 set -uo pipefail
 OUT=${OUT:-$PWD/.out}
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
@@ -62,5 +69,23 @@ if has bench; then
 docs = [json.load(open(p)) for p in sorted(glob.glob(sys.argv[1] + '/fsdp_bench-*gpu-*l.json'))]
 rows = add_scaling([r for d in docs for r in d['rows']])
 json.dump({'environment': docs[0]['environment'] if docs else {}, 'rows': rows}, open(sys.argv[1] + '/fsdp_bench.json', 'w'), indent=1)" "$OUT" || rc=1
+fi
+
+if has doctor; then
+  log "doctor: ceilings of one GPU, then the link sweep on $NPROC GPUs (NCCL)"
+  # every visible GPU (keep NPROC at their count, or profile finds no link ceiling for its ranks)
+  timeout "${DOCTOR_TIMEOUT:-150}" python3 -m kernelkit.commands.cli doctor --json "$OUT/doctor.json" \
+    >"$OUT/doctor.log" 2>&1
+  drc=$?; log "doctor rc=$drc"; [ $drc = 0 ] || rc=1
+  grep -E "link ceiling|skipped" "$OUT/doctor.log" | tee -a "$OUT/steps.log"
+fi
+
+if has profile; then
+  log "profile under torchrun, FSDP2, Llama-3-8B shapes, 2 layers, seq 2048, batch 1 per GPU"
+  # the projections' kernel timing and the graph timing are single-GPU questions: left out here
+  timeout "${PROFILE_TIMEOUT:-150}" $RUN -m kernelkit.commands.cli profile --example hf-llama3-8b --fsdp \
+    --steps 3 --no-time-kernels --no-measure-overhead --top 15 --out "$OUT/profile" >"$OUT/profile.log" 2>&1
+  frc=$?; log "profile rc=$frc"; [ $frc = 0 ] || rc=1
+  grep -E "^- communication|^communication" "$OUT/profile.log" | tee -a "$OUT/steps.log"
 fi
 exit $rc

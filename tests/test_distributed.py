@@ -263,8 +263,31 @@ def check_ops_refuse_dtensor(rank, world, device, ckpt_dir):
     return {"messages": messages}
 
 
+def check_collectives_and_profile(rank, world, device, ckpt_dir):
+    """doctor's link sweep at two small sizes, and the profiler's dispatch mode over an FSDP2 step: the
+    collectives are records of their own, rows of the communication regime."""
+    from kernelkit.hw.collectives import sweep
+    from kernelkit.hw.specs import DATASHEETS
+    from kernelkit.hw.ceilings import Ceilings
+    from kernelkit.profile import analyze
+    from kernelkit.profile.trace import predict
+
+    link = sweep(sizes=(2**12, 2**16))
+    assert len(link["rows"]) == 4 and link["busbw_gbps"] > 0
+    model = tiny_model("llama", device=device).train()
+    kkdist.fully_shard_model(model)
+    ids, labels = _rank_batch(device, rank)
+    trace = predict(model, {"input_ids": ids, "labels": labels})
+    ops = {r.op for r in trace.records}
+    assert {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= ops, sorted(ops)
+    rows = analyze(trace, Ceilings.from_spec(DATASHEETS["h100-sxm"]), tables=None).rows
+    assert {r.regime for r in rows if r.op.startswith("c10d::")} == {"communication"}
+    return {"link_busbw_gbps": link["busbw_gbps"]}
+
+
 CHECKS = [check_fsdp2, check_fsdp2_checkpointing, check_fsdp2_bf16_attention, check_state_dict,
-          check_tensor_parallel, check_sequence_parallel_falls_back, check_ops_refuse_dtensor]
+          check_tensor_parallel, check_sequence_parallel_falls_back, check_ops_refuse_dtensor,
+          check_collectives_and_profile]
 
 
 def rank_checks(rank, world, device, ckpt_dir) -> dict:

@@ -52,10 +52,21 @@ def test_multi_gpu_check_parses_and_its_modules_exist():
     subprocess.run(["bash", "-n", str(SCRIPTS / "multi_gpu_check.sh")], check=True)
     text = (SCRIPTS / "multi_gpu_check.sh").read_text()
     modules = set(re.findall(r"-m ((?:tests|kernelkit)\.[\w.]+)", text))
-    assert modules == {"tests.test_distributed", "kernelkit.testing.fsdp_bench"}
+    assert modules == {"tests.test_distributed", "kernelkit.testing.fsdp_bench", "kernelkit.commands.cli"}
     for m in modules:
         path = SCRIPTS.parent / ("src/" if m.startswith("kernelkit") else "") / (m.replace(".", "/") + ".py")
         assert path.is_file(), m
+    # the doctor and profile stages' options are the CLI's
+    from typer.testing import CliRunner
+
+    from kernelkit.commands.cli import app
+
+    for cmd in ("doctor", "profile"):
+        line = re.search(rf"kernelkit\.commands\.cli {cmd} (.*?)>", text, re.S).group(1)
+        helptext = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "400"}).output
+        for flag in re.findall(r"(--[\w-]+)", line):
+            assert flag in helptext, (cmd, flag)
+    assert "hf-llama3-8b" in text
 
 
 def _row(impl, metric, value, unit, shape="16384x4096", timestamp="2026-11-23T12:00:00Z", op="rms_norm"):

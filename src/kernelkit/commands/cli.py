@@ -86,10 +86,34 @@ def _fmt(v, spec=".1f") -> str:
 @app.command()
 def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and compare with) e.g. h100, a100-80gb"),
            force: bool = typer.Option(False, help="measure again even if cached"),
-           json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures to this JSON file")):
-    """Measure this GPU's ceilings and compare them with its datasheet."""
+           json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures to this JSON file"),
+           link: bool = typer.Option(True, help="with >= 2 GPUs visible (or under torchrun), also measure the "
+                                                "link: all-gather and reduce-scatter from 1 MiB to 1 GiB, bus "
+                                                "bandwidth, cached as the ceiling profile sets collectives against")):
+    """Measure this GPU's ceilings and compare them with its datasheet (and the link between GPUs)."""
     import json
 
+    import torch
+
+    from .distributed import join_group, leave_group, link_sweep
+
+    group, joined = join_group() if link else (None, False)
+    try:
+        if group is not None and group.get_rank() != 0:  # under torchrun rank 0 measures its GPU; all sweep the link
+            link_sweep(Console(quiet=True), force, group)
+            return
+        doc = _doctor_gpu(gpu, force)
+        if link:
+            doc["link"] = link_sweep(console, force, group)
+    finally:
+        leave_group(group, joined)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def _doctor_gpu(gpu: Optional[str], force: bool) -> dict:
+    """The one-GPU part of doctor: measured ceilings (or a datasheet) as a table; the JSON document."""
     import torch
 
     from ..hw import DATASHEETS, lookup, measure_ceilings
@@ -132,10 +156,7 @@ def doctor(gpu: Optional[str] = typer.Option(None, help="datasheet to show (and 
     if measured:
         table.add_row("launch floor (us)", "", _fmt(measured.launch_us, ".2f"), "", "")
     console.print(table)
-    if json_out:
-        doc = {"datasheet": spec.__dict__ if spec else None, "measured": measured.to_json() if measured else None}
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=1, default=str))
+    return {"datasheet": spec.__dict__ if spec else None, "measured": measured.to_json() if measured else None}
 
 
 @app.command()

@@ -73,10 +73,41 @@ def profile_command(
                                           "saving beside the projected one (GPU only)"),
     time_kernels: bool = typer.Option(True, help="time kernelkit's kernels at the model's shapes for the "
                                       "projections (GPU only; else the benchmark tables or 90% of the roof)"),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp", help="under torchrun (>= 2 ranks): wrap the "
+                                        "model in FSDP2 (fully_shard each decoder layer, then the root; a Hugging "
+                                        "Face model: --example llama becomes hf-llama). Default: on under torchrun"),
 ):
-    """Profile a model step: each op on the roofline with a verdict, fusible chains, launch overhead."""
+    """Profile a model step: each op on the roofline with a verdict, fusible chains, launch overhead; under
+    torchrun each rank's step with its NCCL kernels, their bus bandwidth and the communication left exposed."""
     from rich.console import Console
     from rich.markup import escape
+
+    from .distributed import join_group, leave_group
+
+    # Logs and pipes get a wide table; a terminal gets its own width.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
+
+    def fail(msg: str, code: int = 2):
+        err.print(f"[red]kernelkit profile{where}:[/] {escape(msg)}", highlight=False)
+        raise typer.Exit(code)
+
+    group, joined = join_group()
+    rank, world = (group.get_rank(), group.get_world_size()) if group is not None else (0, 1)
+    where = f" (rank {rank})" if world > 1 else ""
+    try:
+        _profile(console, err, fail, group, rank, world, target=target, example=example, steps=steps,
+                 backward=backward, gpu=gpu, out=out, hot=hot, room=room, max_shapes=max_shapes, overhead=overhead,
+                 json_only=json_only, top=top, patch=patch, measure_overhead=measure_overhead,
+                 time_kernels=time_kernels, fsdp=fsdp)
+    finally:
+        leave_group(group, joined)
+
+
+def _profile(console, err, fail, group, rank: int, world: int, target, example, steps, backward, gpu, out, hot,
+             room, max_shapes, overhead, json_only, top, patch, measure_overhead, time_kernels, fsdp):
+    """The body of `profile_command`, on one rank of `world` (1 outside torchrun)."""
+    from rich.console import Console
 
     from ..hw.ceilings import ceilings_for
     from ..profile.analysis import Thresholds, analyze, time_calls
@@ -85,13 +116,14 @@ def profile_command(
     from ..profile.report import print_patch_comparison, print_report, write_reports
     from ..profile.trace import measure, predict
 
-    # Logs and pipes get a wide table; a terminal gets its own width.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=200)
-
-    def fail(msg: str, code: int = 2):
-        err.print(f"[red]kernelkit profile:[/] {escape(msg)}", highlight=False)
-        raise typer.Exit(code)
+    if rank != 0:  # rank 0 prints; every rank writes its files
+        console = Console(quiet=True)
+    fsdp = world > 1 if fsdp is None else fsdp
+    if fsdp and world < 2:
+        fail("--fsdp shards the model over the ranks of a process group: run under torchrun --nproc_per_node=N "
+             "(N >= 2), e.g. torchrun --nproc_per_node=4 -m kernelkit.commands.cli profile --example hf-llama3-8b")
+    if patch and world > 1:
+        fail("--patch under torchrun is not supported: profile one GPU with --patch")
 
     if (target is None) == (example is None):
         fail("give FILE.py:FUNCTION or --example NAME (one of them)")
@@ -105,14 +137,23 @@ def profile_command(
         example = "hf-llama"  # kernelkit.patch takes Hugging Face models: the same sizes as LlamaForCausalLM
         console.print("note: --patch profiles --example llama as transformers' LlamaForCausalLM (hf-llama): "
                       "kernelkit.patch swaps modules of Hugging Face models", highlight=False)
+    if fsdp and example == "llama":
+        example = "hf-llama"  # fully_shard_model shards a Hugging Face model's decoder layers
+        console.print("note: --fsdp profiles --example llama as transformers' LlamaForCausalLM (hf-llama)",
+                      highlight=False)
     what = target or f"--example {example}"
     try:
         if example:
-            # Predicting needs shapes, not numbers: the example is built full size on the meta device.
-            device, tiny = (None, None) if measured else ("meta", False)
+            # Predicting needs shapes, not numbers: the example is built full size on the meta device (tiny on
+            # the CPU under FSDP2, whose collectives need real tensors).
+            device, tiny = (None, None) if measured else (("cpu", True) if fsdp else ("meta", False))
             model, inputs = build_example(example, device=device, tiny=tiny)
         else:
             model, inputs = load_target(target)
+        if fsdp:
+            from ..testing.distributed import fully_shard_model
+
+            fully_shard_model(model)
     except _UserError as e:
         fail(str(e))
     except ValueError as e:
@@ -126,12 +167,17 @@ def profile_command(
              f"{_why(e)}. Check that the model and its inputs are on the same device and that model(*inputs) "
              f"runs on its own.")
     trace.patch = patch_coverage(model)
+    if world > 1:
+        trace.distributed = _rank_info(group, fsdp, measured)
     if measured and time_kernels:
         trace.kernel_times = time_calls(trace)
     th = Thresholds(room=room, hot_pct=hot, max_shapes=max_shapes, overhead_pct=overhead)
     rep = analyze(trace, ceilings, th)
     rep.trace = trace
-    if measured and rep.overhead.get("bound") and measure_overhead:
+    if world > 1 and measured and rep.overhead.get("bound") and measure_overhead:
+        rep.notes.append("launch overhead was not timed without the profiler: under torchrun a CUDA graph would "
+                         "capture the step's collectives on every rank")
+    if measured and rep.overhead.get("bound") and measure_overhead and world == 1:
         from ..profile.findings import findings
         from ..profile.overhead import combine, measure_overhead as time_overhead
 
@@ -171,10 +217,41 @@ def profile_command(
         if not json_only:
             print_patch_comparison(rep.patch, console)
             print_report(after, console, top=top, title="under kernelkit.patch(model)")
-    paths = write_reports(rep, ceilings, out, trace=trace, json_only=json_only)
+    suffix = f"-rank{rank}" if world > 1 else ""
+    paths = write_reports(rep, ceilings, out, trace=trace, json_only=json_only or rank != 0, suffix=suffix)
+    if world > 1:
+        print_ranks(group.all_gather_object, rep, world, console)
     if after is not None:
         write_reports(after, ceilings, Path(out) / "patched", trace=after.trace, json_only=json_only)
     main = paths.get("html", paths["json"])
     others = [p.name for p in paths.values() if p != main] + (["patched/ (the run under kernelkit.patch)"]
                                                               if after is not None else [])
     console.print(f"report written: {main}" + (f" (also {', '.join(others)})" if others else ""), highlight=False)
+
+
+def _rank_info(group, fsdp: bool, measured: bool) -> dict:
+    """Trace.distributed: this rank, the group, and the link's ceiling for this many GPUs (doctor's sweep)."""
+    from ..hw.collectives import load_link
+
+    world, backend = group.get_world_size(), group.get_backend()
+    link = load_link(world) if measured and backend == "nccl" else None
+    return {"rank": group.get_rank(), "world_size": world, "backend": backend, "fsdp": fsdp, "link": link}
+
+
+def print_ranks(all_gather_object, rep, world: int, console) -> None:
+    """Rank 0's summary of every rank: step time, NCCL time and the exposed part (ranks wait for the slowest)."""
+    from rich.table import Table
+
+    mine = {"rank": rep.distributed.get("rank", 0), "step_ms": rep.step_ms, "gpu_ms": rep.gpu_ms,
+            "comm_ms": rep.communication.get("comm_ms"), "exposed_ms": rep.communication.get("exposed_ms"),
+            "exposed_pct": rep.communication.get("exposed_pct")}
+    rows = [None] * world
+    all_gather_object(rows, mine)
+    t = Table(title=f"{world} ranks", title_justify="left")
+    for col in ("rank", "step ms", "GPU ms", "NCCL ms", "exposed ms", "exposed %"):
+        t.add_column(col, justify="right")
+    f = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        t.add_row(str(r["rank"]), f(r["step_ms"]), f(r["gpu_ms"]), f(r["comm_ms"]), f(r["exposed_ms"]),
+                  f(r["exposed_pct"], ".1f"))
+    console.print(t)

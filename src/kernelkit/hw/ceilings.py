@@ -177,7 +177,11 @@ def _read_cache(path: Path, fp: dict) -> Ceilings | None:
 
 
 def _write_cache(path: Path, ceil: Ceilings) -> None:
-    """Write through a temp file in the same directory and os.replace, so a reader in another
+    _atomic_write(path, ceil.to_json())
+
+
+def _atomic_write(path: Path, doc: dict) -> None:
+    """Write `doc` as JSON through a temp file in the same directory and os.replace, so a reader in another
     process sees the old file or the new one, never half of one."""
     tmp = None
     try:
@@ -185,7 +189,7 @@ def _write_cache(path: Path, ceil: Ceilings) -> None:
         with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=path.stem + ".",
                                          suffix=".tmp", delete=False) as f:
             tmp = f.name
-            json.dump(ceil.to_json(), f, indent=1)
+            json.dump(doc, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -195,7 +199,7 @@ def _write_cache(path: Path, ceil: Ceilings) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-        warnings.warn(f"kernelkit: could not write the ceilings cache {path} ({e})", stacklevel=3)
+        warnings.warn(f"kernelkit: could not write the ceilings cache {path} ({e})", stacklevel=4)
 
 
 def _median_ms(fn, rep_ms: int = 200) -> float:

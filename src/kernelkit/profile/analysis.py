@@ -28,7 +28,8 @@ from pathlib import Path
 from ..hw.ceilings import Ceilings
 from ..ops import registry
 from ..roofline.model import Cost, place
-from .costs import is_matmul
+from .comms import communication
+from .costs import is_comm, is_matmul
 from .findings import findings
 from .projection import RESULTS, ROOFLINE_EFFICIENCY, Projector, call_shape, shape_key, time_kernelkit
 from .trace import OpRecord, Trace
@@ -101,6 +102,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     patch_coverage: dict = field(default_factory=dict)  # what kernelkit.patch(model) replaces (or why not)
     patch: dict = field(default_factory=dict)  # `profile --patch`: measured savings against the projections
+    # NCCL time, exposed time and bus bandwidth per collective (comms.communication); {} without collectives
+    communication: dict = field(default_factory=dict)
+    distributed: dict = field(default_factory=dict)  # rank, world_size, backend, fsdp (Trace.distributed)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -282,6 +286,9 @@ def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thres
         r.hot = r.share_pct >= th.hot_pct
         r.stable = r.distinct_shapes <= th.max_shapes
         r.room = (r.ms >= th.room * r.floor_ms) if measured else None
+        if is_comm(r.op):  # a collective: its kernels wait on the link and other ranks, not on this GPU's roof
+            r.regime, r.room, r.verdict = "communication", None, "leave: communication (see the findings)"
+            continue
         worth = r.hot and r.stable and r.room is not False and r.regime != "overhead"
         word = ("KERNEL" if measured else "candidate") if worth else "leave"
         why = [f"room {'yes' if r.room else 'no'}" if measured else "room ? (predicted)",
@@ -319,6 +326,8 @@ def analyze(trace: Trace | list[OpRecord], ceilings: Ceilings, thresholds: Thres
     rep.kernels = registry_kernels(per_step, assign, ceilings, rows, measured, gpu_ms, projector)
     rep.chains = fusible_chains(per_step, ceilings, reg, measured, gpu_ms, assign)
     rep.overhead = overhead(timeline, th, ceilings) if measured else predicted_overhead(rows, ceilings, th)
+    rep.distributed = {k: v for k, v in trace.distributed.items() if k != "link"}
+    rep.communication = communication(trace.timeline, trace.distributed) if measured else {}
     for what, us in sorted(trace.unattributed.items(), key=lambda kv: -kv[1])[:10]:
         ms = us / steps / 1e3
         rep.unattributed.append({"what": what, "ms": ms, "share_pct": 100.0 * ms / gpu_ms if gpu_ms else 0.0})
@@ -510,7 +519,9 @@ def fusible_chains(per_step, ceilings: Ceilings, reg: _Registry | None, measured
     for i, r in enumerate(first):
         if (r.kernels is not None and not r.kernels) or r.bytes == 0:
             continue  # ran on the CPU or moved nothing: neither part of a chain nor a break in one
-        if is_matmul(r.op) or r.op.startswith("kernelkit::") or place(_cost(r), ceilings).regime == "compute":
+        # FSDP2's copies in and out of its flat buffers (fsdp::all_gather_copy_in) belong to its collectives
+        if is_matmul(r.op) or is_comm(r.op) or r.op.startswith(("kernelkit::", "fsdp::")) or \
+                place(_cost(r), ceilings).regime == "compute":
             close()
             continue
         if run and run[-1][1].phase != r.phase:

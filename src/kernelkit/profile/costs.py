@@ -60,6 +60,12 @@ def is_matmul(op: str) -> bool:
     return op in MATMUL_OPS or "scaled_dot_product" in op
 
 
+def is_comm(op: str) -> bool:
+    """torch.distributed's collectives as the dispatcher sees them (c10d::_allgather_base_, the functional
+    _c10d_functional::all_gather_into_tensor, ...): communication, not work on this GPU's roofline."""
+    return op.startswith(("c10d::", "_c10d_functional::", "c10d_functional::"))
+
+
 def tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 

@@ -94,7 +94,10 @@ class TinyLlama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
 
 
-EXAMPLES = ("llama", "hf-llama")
+EXAMPLES = ("llama", "hf-llama", "hf-llama3-8b")
+# Llama-3-8B's layer shapes, 2 decoder layers and the whole vocabulary, one 2048-token sequence (per rank): the
+# FSDP2 step of scripts/multi_gpu_check.sh (kernelkit.testing.distributed's bench runs the same shapes).
+LLAMA3_8B = {"vocab": 128256, "dim": 4096, "layers": 2, "heads": 32, "kv_heads": 8, "hidden": 14336}
 
 
 def _hf_llama(cfg: dict, seq: int, dtype, device):
@@ -121,7 +124,8 @@ def build_example(name: str = "llama", device: str | None = None, tiny: bool | N
     sizes as transformers' LlamaForCausalLM (SDPA attention), inputs {"input_ids", "labels"}: what
     `kernelkit.patch` takes. Full size (hidden 2048, 16 heads over 4 kv heads, MLP 5632, vocab 32000,
     batch 4 x seq 2048, bf16) on a GPU or the meta device (shapes only, for predicted mode); tiny
-    (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU.
+    (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU. hf-llama3-8b: LlamaForCausalLM with Llama-3-8B's
+    layer shapes (2 layers, vocab 128256), batch 1 x seq 2048, what `profile --fsdp` runs per rank.
     """
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}; available: {', '.join(EXAMPLES)}")
@@ -133,8 +137,10 @@ def build_example(name: str = "llama", device: str | None = None, tiny: bool | N
         batch, seq, dtype = 2, 32, torch.float32
     else:
         cfg, batch, seq, dtype = dict(), 4, 2048, torch.bfloat16
-    if name == "hf-llama":
+    if name.startswith("hf-llama"):
         full = {"vocab": 32000, "dim": 2048, "layers": 4, "heads": 16, "kv_heads": 4, "hidden": 5632}
+        if name == "hf-llama3-8b":
+            full, batch = LLAMA3_8B, (batch if tiny else 1)
         model = _hf_llama({**full, **cfg}, seq, dtype, device)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
         return model, {"input_ids": ids, "labels": torch.randint(0, model.config.vocab_size, (batch, seq),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .comms import comm_findings
 from .projection import PATCH_SWITCH, apply_text
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def findings(rep: "Report", th: "Thresholds") -> list[str]:
                    f"({o['kernels_per_step']:.0f} kernels/step); "
                    f"CUDA graphs or torch.compile(mode='reduce-overhead') would recover about "
                    f"{o['graph_gain_ms']:.3f} ms/step ({o['graph_gain_pct']:.0f}%)")
+    out += comm_findings(rep.communication, th.chain_pct)
     un = sum(u["share_pct"] for u in rep.unattributed)
     if un >= 5.0:
         out.append(f"{un:.0f}% of GPU time ran outside any recorded op (top: {rep.unattributed[0]['what']})")

@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .comms import PARAM_COMMS, comm_record, is_nccl_kernel
+
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _NOT_CPU = DEVICE_CATS | {"gpu_user_annotation", "ac2g", "fwdbwd", "Trace"}
 
@@ -23,7 +25,8 @@ _NOT_CPU = DEVICE_CATS | {"gpu_user_annotation", "ac2g", "fwdbwd", "Trace"}
 @dataclass
 class Attribution:
     per_op: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
-    steps: list[dict] = field(default_factory=list)  # per step: start_us, end_us, kernels [(s, e)], last_end_us
+    # per step: start_us, end_us, kernels [(s, e)], last_end_us, comm (its NCCL kernels, comms.comm_record)
+    steps: list[dict] = field(default_factory=list)
     unattributed: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # name -> us
     linked: int = 0  # kernels tied to a launch on the CPU
 
@@ -71,7 +74,7 @@ def attribute(events: list[dict]) -> Attribution:
     """Split the device activity of a trace by step and by `kkop::` range."""
     att = Attribution()
     ops, launches, by_ext, steps = _Ranges(), {}, {}, []
-    device = []
+    device, comms, comm_args, comm_by_ext = [], _Ranges(), [], {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -89,13 +92,21 @@ def attribute(events: list[dict]) -> Attribution:
             idx = _index(name)
             if idx is not None:
                 ops.add(thread, ts, ts + dur, idx)
+        elif name == PARAM_COMMS:  # a collective's sizes, around its NCCL kernel's launch
+            comms.add(thread, ts, ts + dur, len(comm_args))
+            if "External id" in a:
+                comm_by_ext[a["External id"]] = len(comm_args)
+                by_ext.setdefault(a["External id"], (thread, ts, name))
+            comm_args.append(a)
         elif "correlation" in a:  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
             launches[a["correlation"]] = (thread, ts)
         elif "External id" in a and cat in ("cpu_op", "user_annotation", "operator"):
             by_ext.setdefault(a["External id"], (thread, ts, name))
     ops.freeze()
+    comms.freeze()
     steps.sort()
-    att.steps = [{"index": i, "start_us": s, "end_us": t, "kernels": [], "last_end_us": s} for s, t, i in steps]
+    att.steps = [{"index": i, "start_us": s, "end_us": t, "kernels": [], "last_end_us": s, "comm": []}
+                 for s, t, i in steps]
     starts = [s["start_us"] for s in att.steps]
     for ks, ke, name, a in sorted(device, key=lambda d: d[0]):
         where = launches.get(a.get("correlation"))
@@ -109,6 +120,10 @@ def attribute(events: list[dict]) -> Attribution:
                 continue  # outside every step (profiler warm-up, another caller's work)
             att.steps[j]["kernels"].append((ks, ke))
             att.steps[j]["last_end_us"] = max(att.steps[j]["last_end_us"], ke)
+            if is_nccl_kernel(name):
+                found = comms.find(*where) if where is not None else None
+                found = comm_by_ext.get(a.get("External id")) if found is None else found
+                att.steps[j]["comm"].append(comm_record(name, ks, ke, a, None if found is None else comm_args[found]))
         idx = ops.find(*where) if where is not None else None
         if where is not None:
             att.linked += 1

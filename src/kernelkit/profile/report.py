@@ -86,9 +86,27 @@ def print_report(rep: Report, console=None, top: int = 25, title: str = "") -> N
     console.print("verdict: R room above the floor, H hot, S stable shape (+ yes, - no, ? not measurable)")
     for n in rep.notes:
         console.print(f"[yellow]note:[/] {escape(n)}")
+    if rep.communication:
+        print_communication(rep.communication, console)
     console.print("[bold]findings[/]" if rep.findings else "no findings above the thresholds")
     for f in rep.findings:
         console.print(f"[bold]-[/] {escape(f)}")
+
+
+def print_communication(c: dict, console) -> None:
+    """The NCCL kernels of a step per collective: time, exposed time, size, bus bandwidth and % of the link."""
+    from rich.table import Table
+
+    link = f"link ceiling {c['link_busbw_gbps']:.0f} GB/s" if c.get("link_busbw_gbps") else "no link ceiling"
+    t = Table(title=f"communication per step: {c['comm_ms']:.2f} ms of NCCL kernels, {c['exposed_ms']:.2f} ms "
+                    f"exposed ({c['exposed_pct']:.1f}% of the step); {link}", title_justify="left")
+    for col in ("collective", "calls", "ms", "exposed ms", "median MiB", "busbw GB/s", "% link"):
+        t.add_column(col, justify="left" if col == "collective" else "right")
+    for r in c["collectives"]:
+        med = None if r["median_bytes"] is None else r["median_bytes"] / 2**20
+        t.add_row(r["collective"], f"{r['calls']:g}", f"{r['ms']:.3f}", f"{r['exposed_ms']:.3f}", _f(med, ".1f"),
+                  _f(r["busbw_gbps"], ".1f"), _f(r["pct_of_link"], ".0f"))
+    console.print(t)
 
 
 def patch_table_rows(comp: dict) -> list[dict]:
@@ -160,20 +178,21 @@ def _points(rep: Report) -> list[dict]:
 
 
 def write_reports(rep: Report, ceilings: Ceilings, out: str | Path, trace: Trace | None = None,
-                  json_only: bool = False) -> dict[str, Path]:
-    """profile.json, roofline.png, report.html (and trace.json, the records, to analyze again) in `out`."""
+                  json_only: bool = False, suffix: str = "") -> dict[str, Path]:
+    """profile.json, roofline.png, report.html (and trace.json, the records, to analyze again) in `out`; each
+    name with `suffix` before its extension (under torchrun: "-rank<r>")."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "profile.json"}
+    paths = {"json": out / f"profile{suffix}.json"}
     paths["json"].write_text(json.dumps(rep.to_json(), indent=1, default=str))
     if trace is not None:
-        paths["trace"] = trace.save(out / "trace.json")
+        paths["trace"] = trace.save(out / f"trace{suffix}.json")
     if json_only:
         return paths
-    paths["png"] = roofline_png(_points(rep), ceilings, out / "roofline.png",
+    paths["png"] = roofline_png(_points(rep), ceilings, out / f"roofline{suffix}.png",
                                 title=f"{'measured' if rep.measured else 'predicted (ops at their floor)'} "
                                       f"roofline, {ceilings.gpu}")
-    paths["html"] = out / "report.html"
+    paths["html"] = out / f"report{suffix}.html"
     paths["html"].write_text(to_html(rep, paths["png"]))
     return paths
 

@@ -94,7 +94,8 @@ class Trace:
     records: list[OpRecord]
     steps: int
     measured: bool
-    # Per step, from the uninstrumented run: wall_us (step start to last kernel end) and kernels [(s, e)].
+    # Per step, from the uninstrumented run: wall_us (step start to last kernel end), kernels [(s, e)] and comm,
+    # the NCCL kernels among them with their collective and bytes (comms.comm_record).
     timeline: list[dict] = field(default_factory=list)
     device_us: float | None = None  # all kernel time in the instrumented steps, attributed or not
     unattributed: dict = field(default_factory=dict)  # "innermost op / kernel" -> us over all steps
@@ -105,9 +106,11 @@ class Trace:
     kernel_times: dict = field(default_factory=dict)
     # what kernelkit.patch(model) would replace in this model (profile.projection.patch_coverage)
     patch: dict = field(default_factory=dict)
+    # Under torch.distributed: rank, world_size, backend, fsdp, and link (doctor's sweep of this many GPUs, or None)
+    distributed: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"format": TRACE_FORMAT, "steps": self.steps, "measured": self.measured, "backward": self.backward,
+        return {"format": TRACE_FORMAT, "distributed": self.distributed, "steps": self.steps, "measured": self.measured, "backward": self.backward,
                 "device_us": self.device_us, "unattributed": self.unattributed, "timeline": self.timeline,
                 "notes": self.notes, "kernel_times": self.kernel_times, "patch": self.patch,
                 "records": [r.to_json() for r in self.records]}
@@ -119,7 +122,8 @@ class Trace:
         return cls(records=[OpRecord.from_json(r) for r in d["records"]], steps=int(d["steps"]),
                    measured=bool(d["measured"]), timeline=d.get("timeline") or [], device_us=d.get("device_us"),
                    unattributed=d.get("unattributed") or {}, backward=d.get("backward", True),
-                   notes=d.get("notes") or [], kernel_times=d.get("kernel_times") or {}, patch=d.get("patch") or {})
+                   notes=d.get("notes") or [], kernel_times=d.get("kernel_times") or {}, patch=d.get("patch") or {},
+                   distributed=d.get("distributed") or {})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -518,8 +522,8 @@ def measure(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, bac
 
     prof, _, ran = profiled_steps(model, inputs, steps, backward, False, activities, torch.cuda.synchronize)
     plain = kineto.attribute(_export(prof))
-    timeline = [{"wall_us": max(st["last_end_us"] - st["start_us"], 0.0), "kernels": st["kernels"]}
-                for st in plain.steps]
+    timeline = [{"wall_us": max(st["last_end_us"] - st["start_us"], 0.0), "kernels": st["kernels"],
+                 "comm": st["comm"]} for st in plain.steps]
 
     prof, records, _ = profiled_steps(model, inputs, steps, backward, True, activities, torch.cuda.synchronize)
     att = kineto.attribute(_export(prof))
