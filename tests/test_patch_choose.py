@@ -32,7 +32,7 @@ def _fresh_decisions(monkeypatch):
 @pytest.fixture
 def fake_timer(monkeypatch):
     """Measurement replaced: `faster[kind]` says which path wins; every measured key is logged."""
-    faster = {k: "original" for k in (*KINDS, "moe")}
+    faster = {k: "original" for k in (*KINDS, "moe", "fp8")}
     log: list = []
 
     def measured(site, key, shape):
@@ -241,3 +241,28 @@ def test_every_trial_runs(family, monkeypatch):
     assert all(c.source == "measured" and c.kernelkit_ms > 0 and c.original_ms > 0
                for c in report.choices.values())
     assert abs(got.item() - want.item()) <= 2e-2 * abs(want.item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("winner", ["original", "kernelkit"])
+def test_fp8_linears_run_in_fp8_only_where_measured_faster(winner, fake_timer, monkeypatch):
+    """precision="fp8": each Linear shape is a decision of its own; where bf16 measured faster the model's own
+    nn.Linear runs (fp8_linear is never called), else fp8_linear; the trial itself builds and runs both paths."""
+    faster, log = fake_timer
+    faster["fp8"] = winner
+    calls = []
+    real = modules.fp8_linear
+    monkeypatch.setattr(modules, "fp8_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1)
+    report = patch(model, precision="fp8", rms_norm=False, mlp=False, rope=False, attention=False,
+                   cross_entropy=False)
+    model.train()
+    model(batch()[0], labels=batch()[1]).loss.backward()
+    keys = {key for kind, key in log if kind == "fp8"}
+    # q/o, k/v, gate/up, down: one decision per (tokens, out, in) shape, not per module
+    assert {k[1:3] for k in keys} == {(64, 64), (32, 64), (128, 64), (64, 128)} and len(keys) == 4
+    assert bool(calls) == (winner == "kernelkit")
+    fp8 = [c for c in report.choices.values() if c.kind == "fp8"]
+    assert fp8 and all(c.use_kernelkit == (winner == "kernelkit") for c in fp8)
+    trial = modules._fp8_trial(None, next(iter(keys)))
+    assert trial.wrt and trial.kernelkit().shape == trial.original().shape

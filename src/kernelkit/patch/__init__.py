@@ -202,20 +202,21 @@ def _patch_loss(model, fam: Family, report, undo, modes, precision: str = "bf16"
 PRECISIONS = ("bf16", "fp8")
 
 
-def _patch_fp8(model, report, undo, keep: bool, lm_head: bool) -> None:
-    """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear`; the embeddings keep their dtype, and
-    the LM head too unless the fused loss runs it in fp8 (`lm_head`)."""
-    from .modules import Fp8Settings, fp8_linear_forward
+def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> None:
+    """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear` where measured faster (modes["fp8"]:
+    "auto") or everywhere ("kernelkit"); the embeddings keep their dtype, and the LM head too unless the fused loss
+    runs it in fp8 (`lm_head`)."""
+    from .modules import Fp8Settings, fp8_linear_forward, fp8_site
 
     layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         report.skip("precision='fp8'", "no decoder layers at model.model.layers")
         return
-    done = 0
+    done, token = 0, fp8_site(modes, report).token
     for layer in layers:
         for m in layer.modules():
             if type(m) is torch.nn.Linear and "forward" not in vars(m):
-                _bind(undo, m, fp8_linear_forward, Fp8Settings(report, QuantizedWeight() if keep else None))
+                _bind(undo, m, fp8_linear_forward, Fp8Settings(report, QuantizedWeight() if keep else None, token))
                 done += 1
     report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
                done)
@@ -238,9 +239,11 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
       ran before, per shape, dtype and GPU (the first call at a new shape times both; `patch.choose`);
     - "kernelkit": kernelkit at every shape, unmeasured;
     - False: the switch is off (the model's own code everywhere).
-    `precision="fp8"` also runs every nn.Linear of the decoder layers in fp8 (forward and both backward GEMMs,
-    e4m3 with rowwise scales, `kernelkit.ops.fp8_linear`); a call fp8 cannot take (no fp8 tensor cores, dims
-    not multiples of 16, fp32) stays in its dtype, counted in the report. "bf16" (the default) leaves them.
+    `precision="fp8"` also runs the nn.Linear modules of the decoder layers in fp8 (forward and both backward GEMMs,
+    e4m3 with rowwise scales, `kernelkit.ops.fp8_linear`) at every shape where fp8 is measured faster than the
+    Linear's own GEMM (a decision per tokens/in/out shape, as the switches' "auto"; KERNELKIT_PATCH_CHOICE=kernelkit
+    forces fp8 everywhere); a call fp8 cannot take (no fp8 tensor cores, dims not multiples of 16, fp32) stays in
+    its dtype, counted in the report. "bf16" (the default) leaves them.
     With fp8 the fused loss (`cross_entropy`) also runs the LM head's logits and dhidden GEMMs in fp8 (its
     dweight GEMM stays in the model's dtype); `fp8_lm_head=False` keeps the whole LM head in the model's dtype.
     `keep_quantized_weights=True` (with fp8) keeps each weight's fp8 copies until the weight changes (an
@@ -275,7 +278,7 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
                 step(model, fam, report, undo, modes)
         if precision == "fp8":
             _patch_fp8(model, report, undo, keep_quantized_weights,
-                       lm_precision == "fp8" and modes["cross_entropy"] is not None)
+                       lm_precision == "fp8" and modes["cross_entropy"] is not None, {"fp8": mode("precision", True)})
     except BaseException:
         undo.restore()
         raise

@@ -348,11 +348,13 @@ def experts_settings(block: torch.nn.Module, activations: dict, report: PatchRep
 class Fp8Settings:
     report: PatchReport
     cache: object = None  # an ops.fp8_linear.QuantizedWeight (keep_quantized_weights=True), else None
+    token: int | None = None  # the choose.Site deciding fp8 or the model's dtype, per shape
 
 
 def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Bound to an nn.Linear: its GEMMs in fp8 (`ops.fp8_linear`), or in its dtype where fp8 cannot take the
-    call (counted in the report with the reason)."""
+    """Bound to an nn.Linear: its GEMMs in fp8 (`ops.fp8_linear`) where fp8 is measured faster at this shape, or
+    in its dtype (the model's own nn.Linear) where it is not or where fp8 cannot take the call (counted in the
+    report with the reason)."""
     kk: Fp8Settings = self._kernelkit
     why = fp8_unsupported(x, self.weight)
     if why is None and any_dtensor(x, self.weight):
@@ -360,4 +362,31 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if why is not None:
         kk.report.fell_back("fp8", why)
         return torch.nn.functional.linear(x, self.weight, self.bias)
+    if kk.token is not None:
+        n, k = self.weight.shape
+        key = (choose.bucket(x.numel() // max(k, 1)), n, k, choose.dtype_name(x.dtype), self.bias is not None,
+               choose.needs_grad(x, self.weight, self.bias))
+        if not choose.decide(kk.token, key):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
     return fp8_linear(x, self.weight, self.bias, kk.cache)
+
+
+def _fp8_trial(_owner, key) -> choose.Trial:
+    tokens, n, k, dtype, bias, grad = key
+    dt, dev = getattr(torch, dtype), choose.device()
+    g = choose.generator(dev)
+    x = choose.randn((tokens, k), dt, dev, g, grad)
+    w = choose.randn((n, k), dt, dev, g, grad, scale=k ** -0.5)
+    b = choose.randn((n,), dt, dev, g, grad) if bias else None
+    wrt = [t for t in (x, w, b) if t is not None] if grad else []
+    return choose.Trial(lambda: fp8_linear(x, w, b), lambda: torch.nn.functional.linear(x, w, b), wrt)
+
+
+def _fp8_shape(key) -> str:
+    tokens, n, k, dtype, bias, grad = key
+    return f"{tokens} tokens x {k} -> {n} {dtype}{' +bias' if bias else ''} {'fwd+bwd' if grad else 'fwd'}"
+
+
+def fp8_site(modes: dict, report: PatchReport) -> choose.Site:
+    """One site for every Linear of a model patched with precision="fp8": a decision per shape."""
+    return choose.Site("fp8", modes, report, _fp8_trial, _fp8_shape, "nn.Linear (bf16 GEMMs)")
