@@ -266,3 +266,23 @@ def test_fp8_linears_run_in_fp8_only_where_measured_faster(winner, fake_timer, m
     assert fp8 and all(c.use_kernelkit == (winner == "kernelkit") for c in fp8)
     trial = modules._fp8_trial(None, next(iter(keys)))
     assert trial.wrt and trial.kernelkit().shape == trial.original().shape
+
+
+def test_in_flight_trials_time_calls_back_to_back(monkeypatch):
+    """Trial.in_flight: each sample runs that many calls between one pair of timestamps and is divided by it."""
+    clock = iter(range(0, 10**6, 8))  # each timed sample spans 8 units of the host clock
+    monkeypatch.setattr(choose.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(choose.time, "perf_counter", lambda: next(clock) / 1e3)
+    for name, value in (("WARMUP", 1), ("MIN_REPS", 3), ("MAX_REPS", 3)):
+        monkeypatch.setattr(choose, name, value)
+    calls = {"kernelkit": 0, "original": 0}
+
+    def path(name):
+        def f():
+            calls[name] += 1
+            return torch.zeros(1)
+        return f
+
+    kk, orig = choose.measure(choose.Trial(path("kernelkit"), path("original"), [], in_flight=4))
+    assert calls == {"kernelkit": 1 + 3 * 4, "original": 1 + 3 * 4}
+    assert kk == orig == 8 / 4
