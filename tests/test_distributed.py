@@ -285,9 +285,28 @@ def check_collectives_and_profile(rank, world, device, ckpt_dir):
     return {"link_busbw_gbps": link["busbw_gbps"]}
 
 
+def check_ranks_must_agree(rank, world, device, ckpt_dir):
+    """check_ranks_agree: the same facts pass; a rank with another tuning mode, or another patch decision at the
+    same shape, fails on every rank with a message naming the ranks."""
+    from types import SimpleNamespace
+
+    kkdist.check_ranks_agree()
+    old = os.environ.get("KERNELKIT_TUNE")
+    os.environ["KERNELKIT_TUNE"] = "first" if rank == 1 else "all"
+    try:
+        with pytest.raises(RuntimeError, match=r"KERNELKIT_TUNE differs: 'all' on rank\(s\) 0.*'first' on rank\(s\) 1"):
+            kkdist.check_ranks_agree()
+    finally:
+        os.environ.pop("KERNELKIT_TUNE") if old is None else os.environ.__setitem__("KERNELKIT_TUNE", old)
+    choice = SimpleNamespace(kind="attention", shape="b1 h4 s8 d16", path="kernelkit" if rank else "sdpa")
+    with pytest.raises(RuntimeError, match=r"chose differently for attention at b1 h4 s8 d16: sdpa on rank\(s\) 0"):
+        kkdist.check_ranks_agree(SimpleNamespace(choices={"k": choice}))
+    return {}
+
+
 CHECKS = [check_fsdp2, check_fsdp2_checkpointing, check_fsdp2_bf16_attention, check_state_dict,
           check_tensor_parallel, check_sequence_parallel_falls_back, check_ops_refuse_dtensor,
-          check_collectives_and_profile]
+          check_collectives_and_profile, check_ranks_must_agree]
 
 
 def rank_checks(rank, world, device, ckpt_dir) -> dict:
@@ -378,3 +397,16 @@ def main(out_dir: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "multi_gpu_out"))
+
+
+def test_rank_disagreements_name_the_ranks_and_the_fix():
+    same = {"kernelkit": "0.1.0", "KERNELKIT_PATCH_CHOICE": "auto", "KERNELKIT_TUNE": "",
+            "choices": {"rms_norm at 8 rows": "kernelkit"}}
+    assert kkdist.disagreements([same, dict(same)]) == []
+    assert kkdist.disagreements([same, {**same, "choices": {}}]) == []  # a shape one rank has not met yet
+    other = {**same, "kernelkit": "0.2.0", "choices": {"rms_norm at 8 rows": "LlamaRMSNorm.forward"}}
+    got = kkdist.disagreements([same, same, other])
+    assert len(got) == 2
+    assert got[0].startswith("kernelkit differs: '0.1.0' on rank(s) 0, 1; '0.2.0' on rank(s) 2; install one")
+    assert "chose differently for rms_norm at 8 rows: kernelkit on rank(s) 0, 1; LlamaRMSNorm.forward on rank(s) 2" \
+        in got[1] and "rms_norm='kernelkit'" in got[1]

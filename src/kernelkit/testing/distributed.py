@@ -106,11 +106,71 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def rank_facts(report=None) -> dict:
+    """What must be the same on every rank for the ranks to compute alike: kernelkit's version, how the patch
+    chooses (KERNELKIT_PATCH_CHOICE) and tunes (KERNELKIT_TUNE), and, given a PatchReport, every decision taken so
+    far (switch, shape -> path)."""
+    from .. import switches
+    from .._version import __version__
+
+    facts = {"kernelkit": __version__, "KERNELKIT_PATCH_CHOICE": switches.value("KERNELKIT_PATCH_CHOICE"),
+             "KERNELKIT_TUNE": os.environ.get("KERNELKIT_TUNE", "")}
+    if report is not None:
+        facts["choices"] = {f"{c.kind} at {c.shape}": c.path for c in report.choices.values()}
+    return facts
+
+
+def disagreements(per_rank: list[dict]) -> list[str]:
+    """Each fact of `rank_facts` on which the ranks differ, as a sentence naming the ranks and the fix."""
+    out = []
+    for key in ("kernelkit", "KERNELKIT_PATCH_CHOICE", "KERNELKIT_TUNE"):
+        values = {}
+        for r, facts in enumerate(per_rank):
+            values.setdefault(facts.get(key), []).append(r)
+        if len(values) > 1:
+            seen = "; ".join(f"{v!r} on rank(s) {', '.join(map(str, rs))}" for v, rs in values.items())
+            fix = ("install one kernelkit version on every rank" if key == "kernelkit" else
+                   f"set {key} alike on every rank (torchrun passes the launcher's environment to all)")
+            out.append(f"{key} differs: {seen}; {fix}")
+    shared = set().union(*(f.get("choices", {}) for f in per_rank)) if per_rank else set()
+    for where in sorted(shared):
+        paths = {}
+        for r, facts in enumerate(per_rank):
+            if where in facts.get("choices", {}):
+                paths.setdefault(facts["choices"][where], []).append(r)
+        if len(paths) > 1:
+            seen = "; ".join(f"{p} on rank(s) {', '.join(map(str, rs))}" for p, rs in paths.items())
+            out.append(f"the patch chose differently for {where}: {seen}; each rank measured on its own: force "
+                       f"the switch (e.g. kernelkit.patch(model, {where.split(' at ')[0]}='kernelkit') or "
+                       f"KERNELKIT_PATCH_CHOICE=kernelkit), or give every rank the same decision cache "
+                       f"(KERNELKIT_CACHE on a shared file system, filled by one run first)")
+    return out
+
+
+def check_ranks_agree(report=None, group=None) -> dict:
+    """Raise RuntimeError where the ranks of the group would compute differently (`disagreements`): a different
+    kernelkit version, choice or tuning mode, or a different patch decision at the same shape (each rank measures
+    on its own; two close paths can land either way, and ranks that hold replicated tensors, as under tensor
+    parallelism, would drift apart). Call it after the first step to compare decisions too. Returns this rank's
+    facts."""
+    dist = require_process_group("kernelkit.testing.distributed.check_ranks_agree")
+    facts = rank_facts(report)
+    per_rank: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, facts, group=group)
+    problems = disagreements(per_rank)
+    if problems:
+        raise RuntimeError("kernelkit: the ranks differ: " + " | ".join(problems))
+    return facts
+
+
 def fully_shard_model(model: torch.nn.Module, mesh=None, **fsdp_kwargs) -> torch.nn.Module:
     """FSDP2 as the PyTorch docs apply it: `fully_shard` each decoder layer, then the root (embedding, final
-    norm, head). Patch before or after: the patched forwards see the gathered (plain) parameters either way."""
+    norm, head). Patch before or after: the patched forwards see the gathered (plain) parameters either way.
+    First checks that every rank runs the same kernelkit version and choice/tuning modes (`check_ranks_agree`)."""
     require_process_group("kernelkit.testing.distributed.fully_shard_model")
     from torch.distributed.fsdp import fully_shard
+
+    check_ranks_agree()
 
     mesh = mesh if mesh is not None else device_mesh()
     for layer in decoder_layers(model):
@@ -148,4 +208,5 @@ def tensor_parallel(model: torch.nn.Module, mesh=None, sequence_parallel: bool =
         n = getattr(cfg, attr, None)
         if n is not None and n % world:
             raise ValueError(f"config.{attr}={n} does not divide by the world size {world}")
+    check_ranks_agree()
     return parallelize_module(model, mesh if mesh is not None else device_mesh(), tensor_parallel_plan(sequence_parallel))
