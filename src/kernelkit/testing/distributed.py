@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from .. import switches
+from .._version import __version__
 
 
 def require_process_group(what: str):
@@ -110,9 +112,6 @@ def rank_facts(report=None) -> dict:
     """What must be the same on every rank for the ranks to compute alike: kernelkit's version, how the patch
     chooses (KERNELKIT_PATCH_CHOICE) and tunes (KERNELKIT_TUNE), and, given a PatchReport, every decision taken so
     far (switch, shape -> path)."""
-    from .. import switches
-    from .._version import __version__
-
     facts = {"kernelkit": __version__, "KERNELKIT_PATCH_CHOICE": switches.value("KERNELKIT_PATCH_CHOICE"),
              "KERNELKIT_TUNE": os.environ.get("KERNELKIT_TUNE", "")}
     if report is not None:
