@@ -399,10 +399,14 @@ class _FakePatch:
 
     def patch(self, model, **switches):
         self.on = {s for s in SWITCHES if switches.get(s, True)}
+        self.precision = switches.get("precision", "bf16")
         rep = self.report_cls(model="M", family="llama")
         for kind, target in (("rms_norm", "LlamaRMSNorm"), ("attention", "LlamaAttention")):
             if kind in self.on:
                 rep.add(kind, target, f"kernelkit {kind}", 2)
+        if self.precision == "fp8":
+            rep.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear", 2)
+            rep.fell_back("fp8", "in/out features 72/64 are not multiples of 16")
         return rep
 
     def unpatch(self, model):
@@ -518,3 +522,39 @@ def test_cli_patch_wiring(tmp_path, monkeypatch):
     patched = json.loads((tmp_path / "patched" / "profile.json").read_text())
     assert any(r["op"] == "kernelkit::rms_norm" for r in patched["rows"])
     assert (tmp_path / "patched" / "report.html").exists()
+
+
+def test_patch_comparison_with_fp8_sets_the_fp8_run_against_the_bf16_patch(monkeypatch):
+    from rich.console import Console
+
+    from kernelkit.profile import compare
+
+    fake = _FakePatch()
+    monkeypatch.setattr(compare, "patch_module", lambda: fake)
+    before_trace = _run(set())
+    before = analyze(before_trace, H100, tables=None)
+    before.trace = before_trace
+    # the fp8 run: the same kernels, the up_proj GEMMs 0.3 ms faster each (two layers)
+    measure = lambda m, i, **kw: _run(fake.on, noise=-0.3 if fake.precision == "fp8" else 0.0)  # noqa: E731
+    comp, after = patch_comparison(object(), (), H100, before, Thresholds(), measure=measure, precision="fp8")
+    row = comp["fp8"]
+    assert row["call"] == "kernelkit.patch(model, precision='fp8')"
+    assert row["measured_ms"] == pytest.approx(2 * 0.3) and row["step_before_ms"] == after.step_ms
+    assert row["gpu_after_ms"] == pytest.approx(after.gpu_ms - 0.6)
+    assert row["fallbacks"] == 1 and "multiples of 16" in row["fallback_reasons"][0][0]
+    assert "2 decoder Linear(s) in fp8" in row["findings"][0]
+    console = Console(width=240, record=True)
+    print_patch_comparison(comp, console)
+    out = console.export_text()
+    fp8_line = next(line for line in out.splitlines() if line.lstrip("│ ").startswith("fp8"))
+    assert "0.600" in fp8_line and "decoder Linear(s) in fp8" in fp8_line, out
+    assert patch_comparison(object(), (), H100, before, Thresholds(), measure=measure)[0]["fp8"] is None
+
+
+def test_cli_precision_fp8_needs_patch(tmp_path):
+    res = CliRunner().invoke(app, ["profile", "--example", "llama", "--gpu", "h100", "--precision", "fp8",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "add --patch" in res.output
+    res = CliRunner().invoke(app, ["profile", "--example", "llama", "--gpu", "h100", "--precision", "fp4",
+                                   "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "one of 'bf16', 'fp8'" in res.output

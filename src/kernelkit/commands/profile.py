@@ -73,6 +73,8 @@ def profile_command(
                                           "saving beside the projected one (GPU only)"),
     time_kernels: bool = typer.Option(True, help="time kernelkit's kernels at the model's shapes for the "
                                       "projections (GPU only; else the benchmark tables or 90% of the roof)"),
+    precision: str = typer.Option("bf16", help="--patch: fp8 adds a run under kernelkit.patch(model, "
+                                  "precision='fp8') and its row against the bf16 patch (step and GPU time)"),
     fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp", help="under torchrun (>= 2 ranks): wrap the "
                                         "model in FSDP2 (fully_shard each decoder layer, then the root; a Hugging "
                                         "Face model: --example llama becomes hf-llama). Default: on under torchrun"),
@@ -99,13 +101,14 @@ def profile_command(
         _profile(console, err, fail, group, rank, world, target=target, example=example, steps=steps,
                  backward=backward, gpu=gpu, out=out, hot=hot, room=room, max_shapes=max_shapes, overhead=overhead,
                  json_only=json_only, top=top, patch=patch, measure_overhead=measure_overhead,
-                 time_kernels=time_kernels, fsdp=fsdp)
+                 time_kernels=time_kernels, fsdp=fsdp, precision=precision)
     finally:
         leave_group(group, joined)
 
 
 def _profile(console, err, fail, group, rank: int, world: int, target, example, steps, backward, gpu, out, hot,
-             room, max_shapes, overhead, json_only, top, patch, measure_overhead, time_kernels, fsdp):
+             room, max_shapes, overhead, json_only, top, patch, measure_overhead, time_kernels, fsdp,
+             precision="bf16"):
     """The body of `profile_command`, on one rank of `world` (1 outside torchrun)."""
     from rich.console import Console
 
@@ -122,6 +125,10 @@ def _profile(console, err, fail, group, rank: int, world: int, target, example, 
     if fsdp and world < 2:
         fail("--fsdp shards the model over the ranks of a process group: run under torchrun --nproc_per_node=N "
              "(N >= 2), e.g. torchrun --nproc_per_node=4 -m kernelkit.commands.cli profile --example hf-llama3-8b")
+    if precision not in ("bf16", "fp8"):
+        fail(f"--precision {precision!r}: one of 'bf16', 'fp8'")
+    if precision == "fp8" and not patch:
+        fail("--precision fp8 compares kernelkit.patch's fp8 run with its bf16 one: add --patch")
     if patch and world > 1:
         fail("--patch under torchrun is not supported: profile one GPU with --patch")
 
@@ -196,7 +203,8 @@ def _profile(console, err, fail, group, rank: int, world: int, target, example, 
 
         try:
             rep.patch, after = patch_comparison(model, inputs, ceilings, rep, th, steps=steps, backward=backward,
-                                                progress=lambda label: err.print(f"profiling {label}", highlight=False))
+                                                progress=lambda label: err.print(f"profiling {label}", highlight=False),
+                                                precision=precision)
         except Exception as e:
             fail(f"profiling {what} under kernelkit.patch failed: {_why(e)}")
         if measured and after.overhead.get("bound") and measure_overhead:

@@ -60,14 +60,16 @@ def calls_text(n: int) -> str:
 
 def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, thresholds: Thresholds | None = None,
                      steps: int = 3, warmup: int = 1, backward: bool = True,
-                     measure: Callable | None = None, progress: Callable[[str], None] | None = None
-                     ) -> tuple[dict, Report]:
+                     measure: Callable | None = None, progress: Callable[[str], None] | None = None,
+                     precision: str = "bf16") -> tuple[dict, Report]:
     """Profile `model` under kernelkit.patch (all switches, then each switch alone) and compare with `before`
     (the unpatched report, whose `.trace` holds its records). Returns (comparison, the report of the fully
     patched run, where kernelkit's own calls are rows). The comparison (JSON-able) has `rows`, one per switch
     the patch replaced something for, and `total`: projected and measured saving per step, and the step's
     wall and GPU time before and after, and the calls that fell back to the model's own code with the reason
-    (also notes of the patched report): the profiler's own hooks never cause one."""
+    (also notes of the patched report): the profiler's own hooks never cause one. precision="fp8" adds a run under
+    kernelkit.patch(model, precision="fp8") and its row, `fp8`, set against the bf16 patch: the step's wall and
+    GPU kernel time per step, the fp8 decisions and the calls fp8 could not take."""
     measure = measure or _trace.measure
     step = progress or (lambda label: None)
     kpatch = patch_module()
@@ -118,10 +120,30 @@ def patch_comparison(model, inputs, ceilings: Ceilings, before: Report, threshol
              "fallbacks": full_patch.fallback_count(),
              "fallback_reasons": [[f"{k}: {r}", n] for k, r, n in fallbacks(full_patch)]}
     kk_ms = sum(r.ms or 0.0 for r in after.rows if r.op.startswith("kernelkit::"))
-    return {"family": full_patch.family, "replaced": [[r.kind, r.target, r.count] for r in full_patch.replaced],
+    fp8 = _fp8_row(run, after) if precision == "fp8" else None
+    return {"fp8": fp8[0] if fp8 else None, "family": full_patch.family, "replaced": [[r.kind, r.target, r.count] for r in full_patch.replaced],
             "skipped": [list(s) for s in full_patch.skipped], "rows": rows, "total": total,
             # which path each switch runs per shape (kernelkit or the model's own, measured): a switch whose
             # kernel measured slower than the model's code saves nothing here by design
-            "choices": [[c.kind, c.shape, c.describe()] for c in getattr(full_patch, "choices", {}).values()],
+            "choices": [[c.kind, c.shape, c.describe()] for c in getattr(full_patch, "choices", {}).values()]
+            + (fp8[1] if fp8 else []),
             "kernelkit_rows_ms": kk_ms if after.measured else None, "after_attributed_pct": after.attributed_pct,
             "after_unattributed_ms": sum(u["ms"] for u in after.unattributed)}, after
+
+
+def _fp8_row(run: Callable, bf16: Report) -> tuple[dict, list]:
+    """The fp8 run against the bf16 patch's (`bf16`): (its comparison row, its fp8 decisions). Its saving is the
+    GPU kernel time per step, bf16 - fp8: fp8_linear's kernels are not kernelkit op rows, so the changed-module
+    arithmetic of the switches does not apply."""
+    patched, _trace, rep = run("kernelkit.patch(model, precision='fp8')", precision="fp8")
+    saving = None if bf16.gpu_ms is None or rep.gpu_ms is None else bf16.gpu_ms - rep.gpu_ms
+    row = {"switch": "fp8", "call": "kernelkit.patch(model, precision='fp8')",
+           "findings": [f"against kernelkit.patch(model): {patched.count('fp8')} decoder Linear(s) in fp8 where "
+                        f"measured faster; the LM head in the fused loss"],
+           "projected_ms": None, "projection": "", "measured_ms": saving,
+           "step_before_ms": bf16.step_ms, "step_after_ms": rep.step_ms,
+           "gpu_before_ms": bf16.gpu_ms, "gpu_after_ms": rep.gpu_ms,
+           "fallbacks": patched.fallback_count("fp8"),
+           "fallback_reasons": [[r, n] for k, r, n in fallbacks(patched) if k.startswith("fp8")]}
+    choices = [[c.kind, c.shape, c.describe()] for c in getattr(patched, "choices", {}).values() if c.kind == "fp8"]
+    return row, choices

@@ -112,7 +112,7 @@ def print_communication(c: dict, console) -> None:
 def patch_table_rows(comp: dict) -> list[dict]:
     """One row per kernelkit.patch switch and the total: projected and measured saving, step before/after."""
     out = []
-    for r in [*comp.get("rows", []), comp.get("total", {})]:
+    for r in [*comp.get("rows", []), comp.get("total", {}), comp.get("fp8") or {}]:
         if not r:
             continue
         out.append({"switch": r["switch"], "findings": "; ".join(r.get("findings", [])) or "-",
