@@ -53,6 +53,17 @@ def _interpreter():
 
 # --- CPU: the capture-detection rule ---
 
+def test_packed_attention_under_capture_needs_max_seqlen(capturing):
+    """Without max_seqlen the longest sequence would be read from cu_seqlens on the host: refused under capture,
+    naming the argument, before anything reads them; with it the call goes on (here: to the interpreter)."""
+    import kernelkit
+
+    q = k = v = torch.randn(10, 2, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen is needed with cu_seqlens inside a CUDA graph capture"):
+        kernelkit.attention(q, k, v, cu_seqlens=cu)
+
+
 def test_not_capturing_outside_a_capture():
     assert runtime.capturing() is False  # also on a CPU-only torch build, whose query raises
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ...runtime.alloc import empty
-from ...runtime import autotune, cdiv, interpreting, launch, next_pow2, num_sms
+from ...runtime import autotune, capturing, cdiv, interpreting, launch, next_pow2, num_sms
 from .. import _validate
 from .tiles import (LN2, NEG_INF, allowed, block_d, kv_block_range, load_tile, mma, row_strides, scores, seq_key,
                     sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
@@ -268,6 +268,10 @@ def _validate_inputs(q, k, v, causal, window, softcap, cu_seqlens, max_seqlen, s
                          f"{k.shape[0]}")
     if max_seqlen is None and cu_seqlens.is_meta:
         raise ValueError("max_seqlen is needed with meta cu_seqlens: the longest sequence cannot be read from them")
+    if max_seqlen is None and capturing():
+        raise ValueError("max_seqlen is needed with cu_seqlens inside a CUDA graph capture (torch.cuda.graph, "
+                         "torch.compile mode='reduce-overhead'): without it the longest sequence is read from "
+                         "cu_seqlens on the host, a synchronization a capture cannot hold; pass max_seqlen=")
     if max_seqlen is None:  # needs the offsets on the host: check them while they are there
         cu = cu_seqlens.tolist()
         lens = [b - a for a, b in zip(cu, cu[1:])]
