@@ -23,9 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..runtime import interpreting
 from .gemm.fp8 import quantize_cols_t, quantize_rows
-from .scaled_matmul import scaled_matmul
+from .scaled_matmul import fp8_device_unsupported, rowwise_gemm as _gemm
 
 DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 16  # K and N of every fp8 GEMM (torch._scaled_mm's rule; kernelkit's TMA path wants 16-byte rows too)
@@ -38,13 +37,7 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     n, k = weight.shape
     if n % ALIGN or k % ALIGN:
         return f"in/out features {k}/{n} are not multiples of {ALIGN}"
-    if x.is_cuda:
-        major, minor = torch.cuda.get_device_capability(x.device)
-        if (major, minor) < (8, 9):
-            return f"compute capability {major}.{minor} has no fp8 tensor cores (8.9+: Ada, Hopper, Blackwell)"
-    elif not interpreting():
-        return "CPU tensor outside the Triton interpreter"
-    return None
+    return fp8_device_unsupported(x)
 
 
 class QuantizedWeight:
@@ -76,11 +69,6 @@ class QuantizedWeight:
 
 def _weight(kind, weight, cache, quantize):
     return quantize(weight) if cache is None else cache.get(kind, weight, quantize)
-
-
-def _gemm(a_q, a_s, b_q, b_s, bias, out_dtype):
-    """(a_q * a_s[:, None]) @ (b_q * b_s[:, None]).T: both operands K-contiguous, rowwise scales."""
-    return scaled_matmul(a_q, b_q.t(), a_s[:, None], b_s[None, :], bias, out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

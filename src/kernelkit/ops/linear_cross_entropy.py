@@ -53,7 +53,8 @@ from ._dispatch import Op
 from .cross_entropy import MAX_BLOCK_V, cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from .cross_entropy import reference as cross_entropy_reference
 from .gemm.fp8 import quantize_cols_t, quantize_rows
-from .scaled_matmul import scaled_matmul
+from .fp8_linear import ALIGN as FP8_ALIGN, DTYPES as FP8_DTYPES
+from .scaled_matmul import fp8_device_unsupported, rowwise_gemm as _fp8_gemm
 from .registry import OpSpec, optional_import, register
 
 # A chunk's logits (rows x V in the activations' dtype) stay under this budget: the smallest that ran as
@@ -86,8 +87,6 @@ def grad_scale_kernel(X, GRAD, numel, BLOCK: tl.constexpr):
 # --- validation ---
 
 PRECISIONS = ("bf16", "fp8")
-FP8_DTYPES = (torch.bfloat16, torch.float16)
-FP8_ALIGN = 16  # H and V of the fp8 GEMMs (16-byte rows of e4m3, torch._scaled_mm's rule)
 
 
 def fp8_unsupported(hidden: torch.Tensor, weight: torch.Tensor, reduction: str) -> Optional[str]:
@@ -99,13 +98,7 @@ def fp8_unsupported(hidden: torch.Tensor, weight: torch.Tensor, reduction: str) 
         return f"V = {v} and H = {h} must be multiples of {FP8_ALIGN}"
     if reduction == "none":
         return "reduction='none' (its backward recomputes the logits; fp8 runs 'mean' and 'sum')"
-    if hidden.is_cuda:
-        major, minor = torch.cuda.get_device_capability(hidden.device)
-        if (major, minor) < (8, 9):
-            return f"compute capability {major}.{minor} has no fp8 tensor cores (8.9+)"
-    elif not interpreting():
-        return "CPU tensors outside the Triton interpreter"
-    return None
+    return fp8_device_unsupported(hidden)
 
 
 def _validate_scalars(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size):
@@ -309,11 +302,6 @@ class _Grads:
         none = hidden.new_empty(0)
         return (dh if dh is not None else none, dw if dw is not None else none.clone(),
                 db if db is not None else none.clone())
-
-
-def _fp8_gemm(a_q, a_s, b_q, b_s, bias, out_dtype):
-    """(a_q * a_s[:, None]) @ (b_q * b_s[:, None]).T, both e4m3 operands K-contiguous with rowwise scales."""
-    return scaled_matmul(a_q, b_q.t(), a_s[:, None], b_s[None, :], bias, out_dtype)
 
 
 def _chunk_logits_fp8(hidden, weight, bias, rows):

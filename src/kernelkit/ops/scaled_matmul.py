@@ -352,6 +352,25 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
                     (a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum))
 
 
+def rowwise_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """(a_q * a_s[:, None]) @ (b_q * b_s[:, None]).T: both e4m3 operands K-contiguous (rows of K), one scale per
+    row of each (the rowwise recipe of fp8 training: fp8_linear's three GEMMs, the fp8 LM head's two)."""
+    return scaled_matmul(a_q, b_q.t(), a_s[:, None], b_s[None, :], bias, out_dtype)
+
+
+def fp8_device_unsupported(t: torch.Tensor) -> Optional[str]:
+    """Why `t`'s device cannot run fp8 GEMMs (None when it can): a GPU below compute capability 8.9, or a CPU
+    tensor outside the Triton interpreter."""
+    if t.is_cuda:
+        major, minor = torch.cuda.get_device_capability(t.device)
+        if (major, minor) < (8, 9):
+            return f"compute capability {major}.{minor} has no fp8 tensor cores (8.9+: Ada, Hopper, Blackwell)"
+    elif not interpreting():
+        return "CPU tensor outside the Triton interpreter"
+    return None
+
+
 # --- quantization (plain PyTorch, for tests and benchmarks), reference, cost, registry ---
 
 def quantize(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float8_e4m3fn):

@@ -73,23 +73,25 @@ def causal_lm_forward(self, *args, **kwargs):
     if reason is not None:
         kk.report.fell_back("cross_entropy", reason)
         return type(self).forward(self, *args, **kwargs)
+    precision = _precision(kk, self.lm_head.weight)  # once per call: a fallback to bf16 is counted once
     if kk.token is not None:
         labels, w = call["labels"], self.lm_head.weight
         keep = call.get("logits_to_keep", 0)
         tokens = labels.numel() if not isinstance(keep, int) or keep == 0 else labels.shape[0] * keep
         key = (choose.bucket(tokens), w.shape[1], w.shape[0], choose.dtype_name(w.dtype),
                getattr(self.config, "final_logit_softcapping", None), self.lm_head.bias is not None,
-               torch.is_grad_enabled(), _precision(kk, self.lm_head.weight))
+               torch.is_grad_enabled(), precision)
         if not choose.decide(kk.token, key):
             return type(self).forward(self, *args, **kwargs)
-    return _fused(self, kk, call)
+    return _fused(self, kk, call, precision)
 
 
-def _precision(kk: LossSettings, weight: torch.Tensor, reduction: str = "mean") -> str:
-    """The LM head's precision for this call: kk.precision, or "bf16" where fp8 cannot take it (counted)."""
+def _precision(kk: LossSettings, weight: torch.Tensor) -> str:
+    """The LM head's precision for this call: kk.precision, or "bf16" where fp8 cannot take it (counted). The
+    fused loss runs 'mean' or 'sum', both of which fp8 takes."""
     if kk.precision != "fp8":
         return kk.precision
-    why = fp8_unsupported(weight, weight, reduction)
+    why = fp8_unsupported(weight, weight, "mean")
     if why is not None:
         kk.report.fell_back("fp8 lm_head", why)
         return "bf16"
@@ -163,7 +165,7 @@ which only watch, do not count)."""
     return None
 
 
-def _fused(model, kk: LossSettings, call: dict):
+def _fused(model, kk: LossSettings, call: dict, precision: str):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     labels = call.pop("labels")
@@ -188,7 +190,7 @@ def _fused(model, kk: LossSettings, call: dict):
     loss = kk.linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, shift_labels.reshape(-1).to(hidden.device),
         lm_head.bias, ignore_index=ignore_index, softcap=getattr(model.config, "final_logit_softcapping", None),
-        reduction=reduction, precision=_precision(kk, lm_head.weight, reduction)).float()
+        reduction=reduction, precision=precision).float()
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
