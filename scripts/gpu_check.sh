@@ -6,7 +6,7 @@
 # checkout's to commit them. Test and sanitizer logs are for reading, not committing; other outputs worth
 # keeping go to benchmarks/experiments/<gpu>/<date>-<topic>/.
 #
-#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,demo,model OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
+#   STAGES=doctor,test,sanitize,bench,profile,host,flce,gemm,demo,model,attention OPS="rms_norm softmax" [TESTS="tests/test_x.py"] scripts/gpu_check.sh
 # The test stage runs the whole suite on the GPU (the CPU suite's edge cases through the real compiler, plus
 # the gpu-marked tests); TEST_MARK=gpu narrows it to the gpu-marked ones. The host stage compares host time
 # per call with a baseline tree carried in .base/src (git worktree add .base <commit>), when present.
@@ -111,6 +111,19 @@ if has demo; then  # `make demo` on a new machine: no tuning cache, no compiled 
   t0=$(date +%s)
   KERNELKIT_CACHE=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-300} make demo 2>&1 | tee "$RES/demo.log" | tail -30
   echo "make demo, cold: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s" | tee -a "$RES/demo.log" "$RES/steps.log"
+fi
+if has attention; then  # issue 28: the Gluon forward's GPU tests, memcheck, and the table against cuDNN / FA2 / FA4
+  log "attention GPU tests"; timeout ${ATTN_TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_attention_hopper.py \
+    ${ATTN_TESTS:-tests/test_attention.py} 2>&1 | tee "$RES/attention-tests.log" | tail -15
+  log "attention memcheck"; compute-sanitizer --tool memcheck --error-exitcode 3 python3 -c "
+import torch; from kernelkit.ops.attention import attention, forward as f
+for d, c in ((128, True), (64, False)):
+    q, k, v = (torch.randn(2, 333, h, d, device='cuda', dtype=torch.bfloat16) for h in (4, 2, 2))
+    attention(q, k, v, causal=c); torch.cuda.synchronize()
+print('gluon memcheck ran')" >"$RES/attention-memcheck.log" 2>&1; echo "attention memcheck rc=$?" | tee -a "$RES/steps.log"
+  tail -3 "$RES/attention-memcheck.log"
+  log "attention vs cuDNN"; timeout ${ATTN_BENCH_TIMEOUT:-420} python3 benchmarks/attention_vs_cudnn.py \
+    --out "$RES/attention_vs_cudnn.json" ${ATTN_FLAGS:-} 2>&1 | tee "$RES/attention-bench.log" | tail -20
 fi
 if has model; then
   log "bench model"; timeout ${MODEL_TIMEOUT:-590} $KK bench model --out "$RES/model" ${MODEL_FLAGS:-} 2>&1 | tee "$RES/model.log" | tail -40

@@ -18,9 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import switches
 from ...runtime.alloc import empty
 from ...runtime import autotune, capturing, cdiv, interpreting, launch, next_pow2, num_sms
 from .. import _validate
+try:  # Gluon ships with Triton >= 3.5; without it every call takes the Triton kernel
+    from . import hopper as _hopper
+except ImportError:
+    _hopper = None
 from .tiles import (LN2, NEG_INF, allowed, block_d, kv_block_range, load_tile, mma, row_strides, scores, seq_key,
                     sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
 
@@ -36,6 +41,9 @@ DECODE_MAX_ROWS_X_D = 8192
 # seq 1024 (benchmarks/experiments/h100/2026-11-25-attention-tuning): pointers 9-27% faster at d64/d128,
 # causal or not; longer sequences were not measured on pointers and keep the descriptors.
 POINTER_MAX_SEQ_K = 1024
+# The Gluon producer/consumer kernel (hopper.py) for the calls it takes on sm_90; KERNELKIT_ATTENTION_GLUON=0 keeps
+# every call on the Triton kernel.
+GLUON = switches.on("KERNELKIT_ATTENTION_GLUON")
 
 
 @triton.jit
@@ -342,6 +350,10 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     score = (*_score_args(scale, softcap), window or 0)
     if decode:
         _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common)
+        return o, lse
+    if GLUON and _hopper is not None and not interpreting() and _hopper.supports(q, k, v, o, causal, window, softcap,
+                                                                                 varlen):
+        _hopper.attention_fwd_hopper(q, k, v, o, lse, causal, score[0])
         return o, lse
     sq_, sk_, lq = row_strides(q, varlen), row_strides(k, varlen), lse.stride()
     grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731

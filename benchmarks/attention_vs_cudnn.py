@@ -1,0 +1,129 @@
+"""Attention forward (and backward) against cuDNN, FA2 and FlashAttention-4, side by side in one process.
+
+Issue 28's table: batch x seq = 16384 tokens, heads x head_dim = 2048, bf16, d64 and d128, seq 1k/4k/16k, causal or
+not, plus GQA 32/8 at d128. Each row times kernelkit's Gluon forward (hopper.py), kernelkit's Triton forward,
+SDPA pinned to cuDNN and to FlashAttention-2, and FlashAttention-4's CuTe-DSL kernels when `flash_attn.cute`
+imports (its sm_90 path). `triton.testing.do_bench` median with the L2 flushed before each call; TFLOP/s from
+the op's cost model (4·d per attended pair and head; backward 2.5x). Backward = (forward + backward) - forward.
+
+    python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--rows d128-s4096,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+from kernelkit.ops.attention import attention, cost, forward as fwd_mod
+
+
+def rows():
+    out = [dict(name=f"d{d} s{s}{' causal' if c else ''}", b=16384 // s, s=s, h=2048 // d, hk=2048 // d, d=d,
+                causal=c) for d in (128, 64) for s in (16384, 4096, 1024) for c in (False, True)]
+    out += [dict(name=f"d128 s4096 GQA 32/8{' causal' if c else ''}", b=4, s=4096, h=32, hk=8, d=128, causal=c)
+            for c in (False, True)]
+    return out
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        kw = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **kw).transpose(1, 2)
+    return run
+
+
+def _kk(gluon: bool):
+    def run(q, k, v, causal):
+        fwd_mod.GLUON = gluon
+        return attention(q, k, v, causal=causal)
+    return run
+
+
+def _fa4():
+    from flash_attn.cute import flash_attn_func  # noqa: F401 - FlashAttention-4 (CuTe DSL)
+
+    def run(q, k, v, causal):
+        out = flash_attn_func(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def impls(want_fa4: bool) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+           "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
+    if want_fa4:
+        try:
+            got["fa4"] = _fa4()
+        except Exception as e:  # noqa: BLE001 - say why the anchor is missing, keep the others
+            print(f"fa4: not available ({type(e).__name__}: {e})", flush=True)
+    return got
+
+
+def bench_row(r, fns, bwd: bool) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(r["b"], r["s"], r["h"], r["d"], device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(r["b"], r["s"], r["hk"], r["d"], device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    fl = cost(q, k, v, causal=r["causal"]).flops
+    ref = None
+    out = {"row": r["name"], "shape": [r["b"], r["s"], r["h"], r["hk"], r["d"], r["causal"]], "impls": {}}
+    for name, fn in fns.items():
+        res = {}
+        try:
+            o = fn(q, k, v, r["causal"])
+            if ref is None:
+                ref = o.float()
+            res["max_abs_diff_vs_first"] = float((o.float() - ref).abs().max())
+            ms = triton.testing.do_bench(lambda: fn(q, k, v, r["causal"]), warmup=25, rep=200, return_mode="median")
+            res.update(fwd_ms=ms, fwd_tflops=fl / ms / 1e9)
+            if bwd:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+                do = torch.randn_like(q)
+
+                def step():
+                    torch.autograd.grad(fn(qg, kg, vg, r["causal"]), (qg, kg, vg), do)
+                ms2 = triton.testing.do_bench(step, warmup=10, rep=200, return_mode="median")
+                res.update(bwd_ms=ms2 - ms, bwd_tflops=2.5 * fl / (ms2 - ms) / 1e9)
+        except Exception as e:  # noqa: BLE001 - a row an anchor cannot run is recorded, not fatal
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out["impls"][name] = res
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="attention_vs_cudnn.json")
+    ap.add_argument("--bwd", action="store_true", help="also time forward + backward")
+    ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    a = ap.parse_args(argv)
+    fns = impls(not a.no_fa4)
+    todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "cudnn": torch.backends.cudnn.version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    results = []
+    for i, r in enumerate(todo):
+        t0 = time.time()
+        res = bench_row(r, fns, a.bwd)
+        results.append(res)
+        cells = "  ".join(f"{n} {v.get('fwd_tflops', 0):.0f}" + (f"/{v['bwd_tflops']:.0f}" if "bwd_tflops" in v else "")
+                          if "error" not in v else f"{n} ERR" for n, v in res["impls"].items())
+        print(f"[{i + 1}/{len(todo)}] {r['name']:<26} {cells}  ({time.time() - t0:.0f}s)", flush=True)
+        with open(a.out, "w") as f:
+            json.dump({"env": env, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
