@@ -263,8 +263,12 @@ def test_patched_model_same_loss_and_grads_with_fewer_quantizations(device, monk
     pytest.importorskip("transformers")
     loss, grads, calls, report, model = _patched_step(monkeypatch, device, "1")
     loss0, grads0, calls0, report0, _ = _patched_step(monkeypatch, device, "0")
-    assert torch.equal(loss, loss0)
-    assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    if device == "cpu":  # the interpreter: one config per kernel, so the norm's y is the same bits fused or not
+        assert torch.equal(loss, loss0)
+        assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    else:  # the fused norm is tuned apart: its y may differ in the last bit, moving a few fp8 values
+        assert abs(loss.item() - loss0.item()) <= 1e-3 * abs(loss0.item())
+        assert all((grads[n] - grads0[n]).float().norm() <= 2e-2 * grads0[n].float().norm() + 1e-6 for n in grads0)
     # per layer: 7 Linears. Unfused, each quantizes its x and dy rows, and its dy and x columns.
     assert calls0 == {"rows": 14, "cols": 14, "norm_fp8": 0}
     # fused: the two norms write q/k/v's and gate/up's rows; o and down quantize theirs. x columns: one per input.
@@ -329,3 +333,29 @@ def test_rms_norm_fp8_compiles_for_sm90(device):
     records = [r for r in compile_check.unique(records) if r["kernel"].endswith("rms_norm_fwd_kernel")]
     assert records and all(r["args"]["QUANT"]["value"] for r in records)
     assert not compile_check.compile_in_subprocess(records)
+
+
+# --- on the GPU ---
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8192, 4096), (37, 4111), (3, 40000)])
+def test_gpu_rms_norm_fp8_matches_the_quantize_rows_kernel(shape, dtype):
+    # The GPU's converts (round to nearest even) against the quantize_rows kernel and its definition, bit for bit:
+    # the 8B step's norm, a row off every power of two, and a row past MAX_FUSED_N (the separate quantizer).
+    from kernelkit.ops.gemm.fp8 import quantize_rows
+
+    x = _inputs(shape, dtype, "contiguous").cuda()
+    w = (1.0 + 0.3 * torch.randn(shape[-1])).to(dtype).cuda()
+    with poisoned_outputs():
+        y, q, s = RN.rms_norm_fp8(x, w, 1e-5)
+    qk, sk = quantize_rows(y)
+    torch.testing.assert_close(s, sk, rtol=0, atol=0, equal_nan=True)
+    nan = torch.isnan(qk.float())
+    assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
+    _same_rows(q, s, y)
+
+
+@pytest.mark.gpu
+def test_gpu_patched_llama_fused_agrees_with_unfused(monkeypatch):
+    test_patched_model_same_loss_and_grads_with_fewer_quantizations("cuda", monkeypatch)

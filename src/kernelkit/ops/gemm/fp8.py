@@ -1,7 +1,8 @@
 """Rowwise float8_e4m3fn quantization: each row of the last dim scaled so its amax maps to 448.
 
-What the fp8 paths share below the op files (the MoE layer's tokens, h rows and expert channels): one Triton
-kernel on the GPU, its torch-ops definition elsewhere.
+What the fp8 paths share below the op files (the MoE layer's tokens, h rows and expert channels, fp8_linear's
+operands): one Triton kernel on the GPU, its torch-ops definition elsewhere; and the in-kernel pieces (fp8_scale,
+fp8_clamp, e4m3_bits) that a kernel quantizing its own output calls to give quantize_rows' bits (rms_norm_fp8).
 """
 
 from __future__ import annotations
