@@ -71,14 +71,109 @@ def _weight(kind, weight, cache, quantize):
     return quantize(weight) if cache is None else cache.get(kind, weight, quantize)
 
 
+class SharedInput:
+    """One input tensor's fp8 quantizations, shared by the fp8 Linears that read it: its rows (the forward's
+    operand, made by the first reader or handed in by the op that produced the tensor) and its transposed
+    columns (the wgrad's, made by the first backward that needs them). The readers' autograd contexts hold this
+    object, not a table: the columns are dropped when the last reader's backward has taken them, and everything
+    with the graph."""
+
+    __slots__ = ("owner", "rows", "cols", "readers", "taken", "origin", "hits")
+
+    def __init__(self, owner, rows=None, origin=None):
+        self.owner, self.rows, self.cols, self.origin = owner, rows, None, origin
+        self.readers = self.taken = self.hits = 0  # backwards that will need cols / have taken them; rows reused
+
+    def cols_t(self, x: torch.Tensor):
+        """quantize_cols_t(x), made once for all the readers' backwards (each x is the same, unchanged: autograd
+        checks each saved input's version)."""
+        cols = self.cols if self.cols is not None else quantize_cols_t(x)
+        self.taken += 1
+        if self.taken >= self.readers:  # the last reader: drop it (a second backward over a kept graph remakes it)
+            self.cols, self.taken = None, 0
+        else:
+            self.cols = cols
+        return cols
+
+
+class SharedInputs:
+    """The fp8 quantizations of the input the fp8 Linears just read, for the next one that reads the same tensor:
+    q, k and v read one tensor, gate and up another, and each quantized it on its own (rows in the forward, columns
+    in the backward). One per patched model (`kernelkit.patch(model, precision="fp8")`).
+
+    The last input is kept (the tensor itself, so its storage cannot be freed and reused while kept) with the key
+    it was seen under: its storage's address, offset, shape, strides, dtype and version counter. A reader whose
+    input has the same key reads the same bytes (an in-place write moves the counter; a write through ``.data``
+    does not: call `clear()` after one) and takes the kept rows. A new input replaces the kept one and drops its
+    rows (one activation's fp8 copy is kept at a time, 1 byte per element); the first backward drops the last
+    one. Bypassed under torch.compile (the Linears quantize on their own there) and for inference tensors (no
+    version counter)."""
+
+    def __init__(self):
+        self._kept = None  # (tensor, key, SharedInput)
+
+    def __deepcopy__(self, memo):  # a copied model shares nothing with this one
+        return SharedInputs()
+
+    @staticmethod
+    def _key(x: torch.Tensor):
+        return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device,
+                x._version)
+
+    def _keep(self, x, entry):
+        old = self._kept
+        if old is not None:
+            old[2].rows = None
+            if old[2].origin is not None:  # tell the producer whether its rows were read (see offer)
+                old[2].origin(old[2].hits > 0)
+        self._kept = None if x is None else (x, self._key(x), entry)
+
+    def clear(self) -> None:
+        """Forget the kept input (its rows; backwards under way keep their columns)."""
+        self._keep(None, None)
+
+    @staticmethod
+    def bypassed(x: torch.Tensor) -> bool:
+        return torch.compiler.is_compiling() or torch.is_inference(x)
+
+    def entry(self, x: torch.Tensor) -> Optional[SharedInput]:
+        """The shared quantizations of `x`: the kept ones if x is the kept input, unchanged, else a new (empty)
+        entry that replaces it. None where bypassed."""
+        if self.bypassed(x):
+            return None
+        kept = self._kept
+        if kept is not None and kept[1] == self._key(x):
+            return kept[2]
+        entry = SharedInput(self)
+        self._keep(x, entry)
+        return entry
+
+    def offer(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, origin=None) -> None:
+        """Keep `quantize_rows(x)` (q, scale), made by the op that wrote x (the RMSNorm before q/k/v), for the fp8
+        Linears that read x next. `origin(read)`, if given, is called when x stops being kept: read says whether
+        any Linear took the rows (a producer whose rows nobody reads can stop writing them)."""
+        if not self.bypassed(x):
+            n = x.shape[-1]
+            self._keep(x, SharedInput(self, (q.reshape(-1, n), scale.reshape(-1)), origin))
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache):
-        xq, sx = quantize_rows(x)
+    def forward(ctx, x, weight, bias, cache, shared):
+        rows = shared.rows if shared is not None else None
+        if rows is None:
+            rows = quantize_rows(x)
+            if shared is not None:
+                shared.rows = rows
+        else:
+            shared.hits += 1
         wq, sw = _weight("rows", weight, cache, quantize_rows)
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.cache = bias is not None, cache
-        return _gemm(xq, sx, wq, sw, bias, x.dtype)
+        ctx.shared = shared if shared is not None and ctx.needs_input_grad[1] else None
+        if ctx.shared is not None:
+            shared.readers += 1
+        return _gemm(*rows, wq, sw, bias, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -91,19 +186,24 @@ class _Fp8Linear(torch.autograd.Function):
             dx = _gemm(gq, sg, wtq, swt, None, dy.dtype)
         if ctx.needs_input_grad[1]:
             gtq, sgt = quantize_cols_t(dy)  # (N, T) per output channel
-            xtq, sxt = quantize_cols_t(x)  # (K, T) per input channel
+            shared = ctx.shared
+            if shared is not None:
+                shared.owner.clear()  # the forward is over: its last kept input is not read again
+            xtq, sxt = quantize_cols_t(x) if shared is None else shared.cols_t(x)  # (K, T) per input channel
             dw = _gemm(gtq, sgt, xtq, sxt, None, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               cache: Optional[QuantizedWeight] = None) -> torch.Tensor:
+               cache: Optional[QuantizedWeight] = None, shared: Optional[SharedInputs] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the forward and both backward GEMMs in fp8 (module docstring).
 
     x (..., K) and weight (N, K) in bfloat16 or float16 (the same), K and N multiples of 16; bias (N,) or None.
     cache: a `QuantizedWeight` of this weight, to reuse its fp8 copies until the weight changes.
+    shared: the `SharedInputs` of the Linears that may read the same x (one per model), so that x is quantized
+    once for all of them (rows in the forward, columns in the backward).
     Raises ValueError with the reason where `unsupported` gives one."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise TypeError("fp8_linear: x must be a tensor and weight a 2-D (out_features, in_features) tensor")
@@ -120,5 +220,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         x2 = x2.contiguous()
     if cache is not None and not isinstance(cache, QuantizedWeight):
         raise TypeError(f"fp8_linear: cache must be a QuantizedWeight or None, got {type(cache).__name__}")
-    y = _Fp8Linear.apply(x2, weight, bias, cache)
+    if shared is not None and not isinstance(shared, SharedInputs):
+        raise TypeError(f"fp8_linear: shared must be a SharedInputs or None, got {type(shared).__name__}")
+    y = _Fp8Linear.apply(x2, weight, bias, cache, shared.entry(x) if shared is not None else None)
     return y.view(*lead, weight.shape[0])

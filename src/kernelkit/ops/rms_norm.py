@@ -28,6 +28,7 @@ from . import _coop, _validate
 from ._coop import coop_chunk, coop_exchange, coop_row
 from ._dispatch import Op, reference_vjp
 from ._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
+from .gemm.fp8 import e4m3_bits, fp8_clamp, fp8_scale, max_nan, quantize_rows
 from .registry import OpSpec, optional_import, register
 
 # Longest row held in registers by one program; longer rows take the looped kernels.
@@ -75,12 +76,12 @@ COOP_WARPS = 8
 COOP_PER_SM = 2
 
 
-@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_RESIDUAL"],
+@autotune(row_tile_configs(), key=["N", "HAS_WEIGHT", "HAS_RESIDUAL", "QUANT"],
           prune_configs_by={"early_config_prune": prune_row_tiles(64)})
 @triton.jit
-def rms_norm_fwd_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, offset,
-                        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                        ROWS: tl.constexpr):
+def rms_norm_fwd_kernel(X, R, S, W, Y, RSTD, Q, QS, stride_x, stride_r, stride_s, stride_y, stride_q, M, N, eps,
+                        offset, tiny, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -99,8 +100,17 @@ def rms_norm_fwd_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, strid
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
         y = y * w[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_ok)
+    if QUANT:
+        # The fp8 GEMMs' operand, from the rounded y still in registers: quantize_rows(y) bit for bit (its scale
+        # and clamp), without reading y back. Padding columns hold y = 0 and cannot raise the amax.
+        yf = y.to(tl.float32)
+        scale = fp8_scale(tl.reduce(tl.abs(yf), 1, max_nan), tiny, Y.dtype.element_ty)
+        q = e4m3_bits(fp8_clamp(yf, scale[:, None]))
+        tl.store(Q + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
+        tl.store(QS + rows, scale, mask=row_ok)
 
 
 @triton.jit
@@ -294,10 +304,11 @@ def rms_norm_bwd_coop_kernel(WS, CNT, M, N, CHUNK, DY, X, W, RSTD, DS, DX, DW_PA
         tl.store(DW_PARTIAL + slot.to(tl.int64) * N + cols, dw, mask=ok)
 
 
-def _forward(x, weight, eps, offset, residual):
-    """Validate the arguments and launch the forward. Returns (y, rstd, summed): rstd of shape x.shape[:-1] in
-    fp32, and summed = x + residual (None without a residual), normalized in the same pass. The checks are inline,
-    not a helper's: below the two launchers, the eager path makes as many Python calls as before they split."""
+def _forward(x, weight, eps, offset, residual, quant=False):
+    """Validate the arguments and launch the forward. Returns (y, rstd, summed, q, scale): rstd of shape
+    x.shape[:-1] in fp32, summed = x + residual (None without a residual), normalized in the same pass, and with
+    `quant` y's e4m3 rows and row scales (`quantize_rows(y)`; None without). The checks are inline, not a
+    helper's: below the two launchers, the eager path makes as many Python calls as before they split."""
     _validate.tensor(x, "x", min_dim=1)
     _validate.number(eps, "eps", low=0.0)
     if weight is not None:  # as the kernels index it: unit stride, copied if not
@@ -315,30 +326,48 @@ def _forward(x, weight, eps, offset, residual):
     y = empty_like(x)
     summed = empty_like(x) if has_r else None
     rstd = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    fused_quant = quant and n <= MAX_FUSED_N
+    q = empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fused_quant else None
+    qs = empty(x.shape[:-1], dtype=torch.float32, device=x.device) if fused_quant else None
     if x.numel() == 0:
-        return y, rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf")), summed
+        rstd.fill_(1.0 / math.sqrt(eps) if eps > 0 else float("inf"))
+        return (y, rstd, summed, *(quantize_rows(y) if quant else (None, None)))
     x2, y2 = _validate.rows_2d(x, n), y.view(-1, n)
     r2, s2 = (_validate.rows_2d(residual, n), summed.view(-1, n)) if has_r else (x2, y2)  # dummies unread
     m = x2.shape[0]
     w = weight if weight is not None else x2  # dummy pointer, never read
     args = (x2, r2, s2, w, y2, rstd, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0))
     if n <= MAX_FUSED_N:
+        # q as bytes: the kernel writes e4m3 bits (e4m3_bits), the GPU's convert or the interpreter's encoding
+        q2, qs2 = (q.view(torch.uint8).view(-1, n), qs) if fused_quant else (y2, rstd)  # dummies unwritten
         grid = lambda meta: (cdiv(m, meta["ROWS"]),)  # noqa: E731
-        launch(rms_norm_fwd_kernel, grid, (n, weight is not None, has_r, x.dtype, w.dtype), *args, m, n, eps,
-               offset, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=has_r, BLOCK_N=next_pow2(n))
+        launch(rms_norm_fwd_kernel, grid, (n, weight is not None, has_r, fused_quant, x.dtype, w.dtype),
+               x2, r2, s2, w, y2, rstd, q2, qs2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
+               q2.stride(0), m, n, eps, offset, torch.finfo(x.dtype).tiny, HAS_WEIGHT=weight is not None,
+               HAS_RESIDUAL=has_r, QUANT=fused_quant, BLOCK_N=next_pow2(n))
     elif not (COOP and _coop.launch_rows(rms_norm_fwd_coop_kernel, m, n, COOP_CHUNK, (*args, eps, offset),
                                          {"HAS_WEIGHT": weight is not None, "HAS_RESIDUAL": has_r,
                                           "num_warps": COOP_WARPS}, x.device, per_sm=COOP_PER_SM)):
         launch(rms_norm_fwd_looped_kernel, (m,), None, *args, n, eps, offset, HAS_WEIGHT=weight is not None,
                HAS_RESIDUAL=has_r, BLOCK_N=LOOP_BLOCK_N, num_warps=8)
-    return y, rstd, summed
+    if quant and not fused_quant:  # rows past one program's registers: the separate two-pass quantizer
+        q, qs = quantize_rows(y)
+    return y, rstd, summed, q, qs
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's launcher, (y, rstd); its signature is the schema of kernelkit::rms_norm."""
-    y, rstd, _ = _forward(x, weight, eps, offset, None)
+    y, rstd, *_ = _forward(x, weight, eps, offset, None)
     return y, rstd
+
+
+def rms_norm_fp8_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float = 0.0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fp8-writing forward's launcher, (y, rstd, q, scale); its signature is the schema of
+    kernelkit::rms_norm_fp8."""
+    y, rstd, _, q, qs = _forward(x, weight, eps, offset, None, quant=True)
+    return y, rstd, q, qs
 
 
 def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
@@ -346,7 +375,7 @@ def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: Optional[t
     """The fused add's launcher, (normed, rstd, summed); its signature is the schema of kernelkit::add_rms_norm."""
     if residual is None:
         raise TypeError("add_rms_norm needs a residual tensor (got None); without one, call kernelkit.rms_norm")
-    return _forward(x, weight, eps, offset, residual)
+    return _forward(x, weight, eps, offset, residual)[:3]
 
 
 def _wide_bwd(cfg: WideBackward, sms, m, n, dy2, x2, w, rstd, ds2, dx2, offset, has_w, has_ds):
@@ -459,6 +488,42 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     x's dtype. Differentiable in x and weight (dweight through a two-stage reduction).
     """
     return RMS_NORM(x, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
+
+
+# --- RMSNorm that also writes its output's fp8 rows (the operand of the fp8 Linears it feeds) ---
+
+def _fp8_fake(x, weight, eps, offset=0.0):
+    return (*_fake(x, weight, eps, offset), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[2], output[3])
+
+
+def _fp8_backward(ctx, kernels, dy, _dq=None, _dscale=None):
+    return _backward(ctx, kernels, dy)
+
+
+def _fp8_double_backward(ctx, dy, _dq=None, _dscale=None):
+    return _double_backward(ctx, dy)
+
+
+RMS_NORM_FP8 = Op("rms_norm_fp8", rms_norm_fp8_fwd, fake=_fp8_fake, setup_context=_fp8_setup_context,
+                  backward=_fp8_backward, bwd=rms_norm_bwd, bwd_fake=_bwd_fake, double_backward=_fp8_double_backward,
+                  n_grad=2, public=(0, 2, 3))
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rms_norm` that also writes y's float8_e4m3fn rows in the same pass: (y, q, scale), y as `rms_norm` gives
+    it, q (x.shape, e4m3) and scale (x.shape[:-1], fp32) equal to ``quantize_rows(y)`` bit for bit (each row's
+    amax mapped to 448, the scale rounded to x's dtype). What fp8 Linears reading y would quantize, written
+    while y is still in registers: one extra byte per element instead of a second read of y and a launch.
+    Rows wider than one program holds (MAX_FUSED_N) take `rms_norm` then `quantize_rows`. q and scale carry no
+    gradient; y's backward is `rms_norm`'s."""
+    return RMS_NORM_FP8(x, weight, _validate.number(eps, "eps", low=0.0), _validate.number(offset, "offset"))
 
 
 # --- fused residual add + RMSNorm (pre-norm blocks) ---

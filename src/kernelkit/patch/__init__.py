@@ -34,7 +34,8 @@ import types
 
 import torch
 
-from ..ops.fp8_linear import QuantizedWeight
+from .. import switches
+from ..ops.fp8_linear import QuantizedWeight, SharedInputs
 from ..ops.registry import get
 from .families import ACTIVATIONS, FAMILIES, Family, find_family
 from .report import PatchReport, Replacement
@@ -205,19 +206,25 @@ PRECISIONS = ("bf16", "fp8")
 def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> None:
     """Every plain nn.Linear inside the decoder layers runs `ops.fp8_linear` where measured faster (modes["fp8"]:
     "auto") or everywhere ("kernelkit"); the embeddings keep their dtype, and the LM head too unless the fused loss
-    runs it in fp8 (`lm_head`)."""
-    from .modules import Fp8Settings, fp8_linear_forward, fp8_site
+    runs it in fp8 (`lm_head`). Unless KERNELKIT_FP8_FUSE=0, Linears reading one tensor (q/k/v, gate/up) share its
+    quantizations (`SharedInputs`), and the layers' patched RMSNorms write their output's fp8 rows in their pass."""
+    from .modules import Fp8Settings, NormSettings, fp8_linear_forward, fp8_site
 
     layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         report.skip("precision='fp8'", "no decoder layers at model.model.layers")
         return
-    done, token = 0, fp8_site(modes, report).token
+    shared = SharedInputs() if switches.on("KERNELKIT_FP8_FUSE") else None
+    done, fused, token = 0, 0, fp8_site(modes, report).token
     for layer in layers:
         for m in layer.modules():
             if type(m) is torch.nn.Linear and "forward" not in vars(m):
-                _bind(undo, m, fp8_linear_forward, Fp8Settings(report, QuantizedWeight() if keep else None, token))
+                _bind(undo, m, fp8_linear_forward,
+                      Fp8Settings(report, QuantizedWeight() if keep else None, token, shared))
                 done += 1
+            elif shared is not None and isinstance(vars(m).get("_kernelkit"), NormSettings):
+                undo.set(m._kernelkit, "fp8_shared", shared)
+                fused += 1
     report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
                done)
     if done:
@@ -225,6 +232,10 @@ def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> N
                 "model's dtype)" if lm_head else "the LM head stays in the model's dtype")
         report.note("precision='fp8': the decoder layers' Linear GEMMs run in fp8 (bf16/fp16 masters and gradients); "
                     f"the embeddings stay in the model's dtype; {head}")
+        report.note("precision='fp8': " + ("Linears reading one input quantize it once (rows and columns), and "
+                                           f"{fused} RMSNorm(s) in the layers write their output's fp8 rows in their "
+                                           "pass" if shared is not None else
+                                           "KERNELKIT_FP8_FUSE=0: each Linear quantizes its own input"))
 
 
 def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attention=True, cross_entropy=True,

@@ -177,15 +177,28 @@ def can_measure() -> bool:
     return torch.cuda.is_available() and not interpreting()
 
 
+_MEASURING = [0]  # trials under way (a trial may run other patched modules: the MLP's Linears)
+
+
+def measuring() -> bool:
+    """Whether a trial is running: state a patched forward keeps between the model's calls (the fp8 Linears'
+    shared quantizations) must not see the trial's inputs."""
+    return _MEASURING[0] > 0
+
+
 def _measure_choice(site: Site, key: tuple, shape: str) -> Choice:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=cuda):
-        trial = site.build(site.owner(), key)
-        if trial is None:  # the builder decided without timing (the original would not fit in memory)
-            return Choice(site.kind, shape, site.original, True, "memory")
-        kk_ms, orig_ms = measure(trial)
+    _MEASURING[0] += 1
+    try:
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=cuda):
+            trial = site.build(site.owner(), key)
+            if trial is None:  # the builder decided without timing (the original would not fit in memory)
+                return Choice(site.kind, shape, site.original, True, "memory")
+            kk_ms, orig_ms = measure(trial)
+    finally:
+        _MEASURING[0] -= 1
     return Choice(site.kind, shape, site.original, kk_ms <= orig_ms, "measured", kk_ms, orig_ms)
 
 

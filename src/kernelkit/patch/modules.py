@@ -21,9 +21,11 @@ from ..runtime import interpreting
 from ..ops import glu
 from . import choose
 from ..ops._validate import is_dtensor
-from ..ops.fp8_linear import fp8_linear, unsupported as fp8_unsupported
+from ..ops.fp8_linear import ALIGN as FP8_ALIGN, DTYPES as FP8_DTYPES, SharedInputs, fp8_linear
+from ..ops.fp8_linear import unsupported as fp8_unsupported
 from ..ops.moe import moe_experts
-from ..ops.rms_norm import rms_norm
+from ..ops.rms_norm import rms_norm, rms_norm_fp8
+from ..ops.scaled_matmul import fp8_device_unsupported
 from ..ops.rope import rope
 from .report import PatchReport
 
@@ -51,6 +53,14 @@ class NormSettings:
     eps_attr: str
     report: PatchReport
     token: int | None = None  # the choose.Site deciding kernelkit or the original (one per class per patch)
+    # precision="fp8": the model's SharedInputs, to which this norm hands its output's fp8 rows (`_norm`), and
+    # whether fp8 Linears read them (None until the first output is replaced; False stops writing them)
+    fp8_shared: SharedInputs | None = None
+    fp8_read: bool | None = None
+
+    def fp8_rows_read(self, read: bool) -> None:
+        if self.fp8_read is None:
+            self.fp8_read = read
 
 
 def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,14 +74,22 @@ def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype), choose.needs_grad(x, w))
     if kk.token is not None and not choose.decide(kk.token, key):
         return type(self).forward(self, x)
-    return _norm(self, x)
+    return _norm(self, x, fp8=True)
 
 
-def _norm(self, x: torch.Tensor) -> torch.Tensor:
+def _norm(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+    """The norm; with `fp8`, in a model patched with precision="fp8", its pass also writes the output's fp8 rows
+    and hands them to the fp8 Linears that read it (`SharedInputs.offer`), until it is seen that none does."""
     kk: NormSettings = self._kernelkit
     eps = getattr(self, kk.eps_attr)
     if eps is None:  # torch.nn.RMSNorm's default
         eps = torch.finfo(x.dtype).eps
+    shared = kk.fp8_shared
+    if fp8 and shared is not None and kk.fp8_read is not False and not choose.measuring() and not shared.bypassed(x) \
+            and x.dtype in FP8_DTYPES and x.shape[-1] % FP8_ALIGN == 0 and fp8_device_unsupported(x) is None:
+        y, q, scale = rms_norm_fp8(x, self.weight, eps=eps, offset=kk.offset)
+        shared.offer(y, q, scale, kk.fp8_rows_read)
+        return y
     return rms_norm(x, self.weight, eps=eps, offset=kk.offset)
 
 
@@ -349,6 +367,7 @@ class Fp8Settings:
     report: PatchReport
     cache: object = None  # an ops.fp8_linear.QuantizedWeight (keep_quantized_weights=True), else None
     token: int | None = None  # the choose.Site deciding fp8 or the model's dtype, per shape
+    shared: SharedInputs | None = None  # the model's: one quantization of an input its Linears share
 
 
 def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,7 +387,7 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
                choose.needs_grad(x, self.weight, self.bias))
         if not choose.decide(kk.token, key):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-    return fp8_linear(x, self.weight, self.bias, kk.cache)
+    return fp8_linear(x, self.weight, self.bias, kk.cache, kk.shared if not choose.measuring() else None)
 
 
 FP8_IN_FLIGHT = 8  # calls timed back to back per sample of the fp8 trial (choose.Trial.in_flight)

@@ -1,7 +1,8 @@
 """Rowwise float8_e4m3fn quantization: each row of the last dim scaled so its amax maps to 448.
 
-What the fp8 paths share below the op files (the MoE layer's tokens, h rows and expert channels): one Triton
-kernel on the GPU, its torch-ops definition elsewhere.
+What the fp8 paths share below the op files (the MoE layer's tokens, h rows and expert channels, fp8_linear's
+operands): one Triton kernel on the GPU, its torch-ops definition elsewhere; and the in-kernel pieces (fp8_scale,
+fp8_clamp, e4m3_bits) that a kernel quantizing its own output calls to give quantize_rows' bits (rms_norm_fp8).
 """
 
 from __future__ import annotations
@@ -14,31 +15,60 @@ import triton
 import triton.language as tl
 
 from ...runtime import interpreting, next_pow2, num_sms
-from .mx import dequantize_fwd, e8m0_to_fp32, quantize_fwd
+from .mx import dequantize_fwd, e8m0_to_fp32, encode_fp8, quantize_fwd
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
+# The GPU's fp8 and bf16 converts round to nearest even; the interpreter's truncate, so kernels that run there encode
+# the bits themselves (mx.mx_encode, e4m3_bits, round_to).
+HW_FP8_CAST = tl.constexpr(not interpreting())
 
 
 @triton.jit
-def _max_nan(a, b):
+def max_nan(a, b):
+    """max that spreads NaN: the reduction of every quantizer's amax."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _fp8_scale(amax, tiny, DTYPE: tl.constexpr):
-    """The quantizers' scale for an fp32 amax: amax / 448, at least `tiny` (an all-zero row or column), rounded to
-    the input's dtype (so the dequantization multiplies by exactly what the quantization divides by); NaN stays."""
-    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
-    return scale.to(DTYPE).to(tl.float32)
+def round_to(v, DTYPE: tl.constexpr):
+    """fp32 v rounded to DTYPE (nearest even) and back to fp32. In the interpreter, whose fp32 -> bf16 cast
+    truncates, the bf16 rounding is done on the bits (fp16's cast rounds there too)."""
+    if HW_FP8_CAST:
+        return v.to(DTYPE).to(tl.float32)
+    else:
+        if DTYPE == tl.bfloat16:
+            b = v.to(tl.uint32, bitcast=True)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+            return b.to(tl.float32, bitcast=True)
+        else:
+            return v.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
-def _fp8_cast(v, scale):
+def fp8_scale(amax, tiny, DTYPE: tl.constexpr):
+    """The quantizers' scale for an fp32 amax: amax / 448, at least `tiny` (an all-zero row or column), rounded to
+    the input's dtype (so the dequantization multiplies by exactly what the quantization divides by); NaN stays."""
+    scale = tl.maximum(amax / FP8_MAX_TL, tiny, propagate_nan=tl.PropagateNan.ALL)
+    return round_to(scale, DTYPE)
+
+
+@triton.jit
+def fp8_clamp(v, scale):
     """v / scale clamped to +-448 (e4m3's range), as fp32 for the cast. div_rn: torch's IEEE division (Triton's
     default fp32 divide is approximate and moved values across e4m3 rounding boundaries: the bit-exact GPU test
     caught it at fp16, 37 x 4111)."""
     return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX_TL, FP8_MAX_TL, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """The float8_e4m3fn bits (uint8) of fp32 v within +-448 (fp8_clamp's output), nearest even, NaN as NaN: the
+    GPU's convert, or the same bits encoded in the interpreter."""
+    if HW_FP8_CAST:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return tl.where(v != v, 0x7F, encode_fp8(v, 3, 7)).to(tl.uint8)
 
 
 @triton.jit
@@ -53,12 +83,12 @@ def quantize_rows_kernel(X, Q, S, N, stride_x, stride_q, tiny, BLOCK_N: tl.const
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)  # NaN spreads to the row
-    amax = tl.reduce(amax, 0, _max_nan)
-    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
+    amax = tl.reduce(amax, 0, max_nan)
+    scale = fp8_scale(amax, tiny, X.dtype.element_ty)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        q = _fp8_cast(v, scale)
+        q = fp8_clamp(v, scale)
         tl.store(Q + row * stride_q + cols, q.to(tl.float8e4nv), mask=cols < N)
     tl.store(S + row, scale)
 
@@ -80,15 +110,15 @@ def quantize_cols_t_kernel(X, Q, S, R, C, stride_xb, stride_xr, stride_xc, tiny,
         rr = r0 + tl.arange(0, BLOCK_R)
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=(rr < R)[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
-    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, max_nan), propagate_nan=tl.PropagateNan.ALL)
+    scale = fp8_scale(amax, tiny, X.dtype.element_ty)
     tl.store(S + b * C + cols, scale, mask=c_ok)
     q_cols = Q + b * C * R + cols.to(tl.int64)[None, :] * R
     for r0 in range(0, R, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr < R)[:, None] & c_ok[None, :]
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
-        q = _fp8_cast(v, scale[None, :])
+        q = fp8_clamp(v, scale[None, :])
         tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
 
 
@@ -109,7 +139,7 @@ def quantize_cols_t_amax_kernel(X, P, R, C, ROWS_PER, stride_xb, stride_xr, stri
         rr = r0 + tl.arange(0, BLOCK_R)
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=(rr < hi)[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, max_nan), propagate_nan=tl.PropagateNan.ALL)
     tl.store(P + (b * tl.num_programs(1) + rc) * C + cols, amax, mask=c_ok)
 
 
@@ -127,7 +157,7 @@ def quantize_cols_t_chunk_kernel(X, P, Q, S, R, C, ROWS_PER, stride_xb, stride_x
     for i in range(0, chunks):
         amax = tl.maximum(amax, tl.load(P + (b * chunks + i) * C + cols, mask=c_ok, other=0.0),
                           propagate_nan=tl.PropagateNan.ALL)
-    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
+    scale = fp8_scale(amax, tiny, X.dtype.element_ty)
     tl.store(S + b * C + cols, scale, mask=c_ok & (rc == 0))
     x_cols = X + b * stride_xb + cols.to(tl.int64)[None, :] * stride_xc
     q_cols = Q + b * C * R + cols.to(tl.int64)[None, :] * R
@@ -137,7 +167,7 @@ def quantize_cols_t_chunk_kernel(X, P, Q, S, R, C, ROWS_PER, stride_xb, stride_x
         rr = r0 + tl.arange(0, BLOCK_R)
         mask = (rr < hi)[:, None] & c_ok[None, :]
         v = tl.load(x_cols + rr.to(tl.int64)[:, None] * stride_xr, mask=mask, other=0.0).to(tl.float32)
-        q = _fp8_cast(v, scale[None, :])
+        q = fp8_clamp(v, scale[None, :])
         tl.store(q_cols + rr[:, None], q.to(tl.float8e4nv), mask=mask)
 
 
@@ -161,15 +191,15 @@ def quantize_segments_t_kernel(X, X_IDX, ROW_SCALE, Q, S, OFFS, POFFS, C, stride
     for r0 in range(start, end, BLOCK_R):
         v = _segment_rows(X, X_IDX, ROW_SCALE, r0 + tl.arange(0, BLOCK_R), end, cols64, c_ok, stride_xr, stride_xc,
                           GATHER, HAS_SCALE)
-        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, _max_nan), propagate_nan=tl.PropagateNan.ALL)
-    scale = _fp8_scale(amax, tiny, X.dtype.element_ty)
+        amax = tl.maximum(amax, tl.reduce(tl.abs(v), 0, max_nan), propagate_nan=tl.PropagateNan.ALL)
+    scale = fp8_scale(amax, tiny, X.dtype.element_ty)
     tl.store(S + e.to(tl.int64) * C + cols64, scale, mask=c_ok)
     q_cols = Q + cols64[None, :] * stride_q
     for p0 in range(pstart, pend, BLOCK_R):
         pr = p0 + tl.arange(0, BLOCK_R)
         rr = start + (pr - pstart)
         v = _segment_rows(X, X_IDX, ROW_SCALE, rr, end, cols64, c_ok, stride_xr, stride_xc, GATHER, HAS_SCALE)
-        q = _fp8_cast(v, scale[None, :])
+        q = fp8_clamp(v, scale[None, :])
         q = tl.where((rr < end)[:, None], q, 0.0)  # the padding: zeros, also in a column whose scale is NaN
         tl.store(q_cols + pr[:, None], q.to(tl.float8e4nv), mask=(pr < pend)[:, None] & c_ok[None, :])
 
@@ -332,11 +362,6 @@ def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PA
         x.stride(0), x.stride(1), q.stride(0), torch.finfo(x.dtype).tiny,
         GATHER=idx is not None, HAS_SCALE=row_scale is not None, BLOCK_R=128, BLOCK_C=block_c, num_warps=8)
     return q, scale, poffs
-
-
-# The GPU's fp8 converts round to nearest even; the interpreter's truncate, so kernels encode the bits themselves
-# there (mx.mx_encode).
-HW_FP8_CAST = tl.constexpr(not interpreting())
 
 
 @triton.jit

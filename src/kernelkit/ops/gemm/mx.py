@@ -36,7 +36,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _encode_fp8(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def encode_fp8(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
     """Bits of the nearest-even FP8 (MBITS mantissa bits, exponent bias BIAS) of finite, in-range fp32 v."""
     a = v.to(tl.int32, bitcast=True)
     sign = (a >> 24) & 0x80
@@ -107,7 +107,7 @@ def mx_encode(x, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MA
         else:
             bits = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        bits = _encode_fp8(v, MBITS, BIAS)
+        bits = encode_fp8(v, MBITS, BIAS)
     bits = tl.where(tl.expand_dims(code == 255, -1), 0x7F, bits).to(tl.uint8)  # ELEM_NAN
     return bits, code
 

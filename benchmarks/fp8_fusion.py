@@ -1,0 +1,164 @@
+"""The fp8 Linears' input quantization done once (issue 30 item 2), measured on the GPU.
+
+    PYTHONPATH=src python benchmarks/fp8_fusion.py --out fp8_fusion.json [--part norm|step|all] [--steps 5]
+
+(a) `norm`: RMSNorm writing its output's e4m3 rows in its pass (`rms_norm_fp8`) against the pair it replaces
+    (`rms_norm`, then `quantize_rows` of its output), `rms_norm` alone (the bf16 path's norm), and torch.compile of
+    the torch definitions of the pair (inductor fuses what it can); forward only, triton.testing.do_bench medians
+    (L2 flushed), GB/s of the ideal bytes of the fused op (x and w read once, y, q and the row scales written once)
+    and % of the copy ceiling (measured with --measure-ceiling, else the datasheet's).
+(b) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
+    with precision="fp8", eager and + torch.compile, with the sharing and the fused norm (KERNELKIT_FP8_FUSE=1)
+    and without (=0): ms per step, kernels per step and the quantization kernels' ms (torch.profiler over two
+    steps), peak memory and the loss. Every switch is forced to kernelkit (KERNELKIT_PATCH_CHOICE=kernelkit) so
+    that the rows differ only in the fusion; --choice auto measures the per-shape choices as `bench model` does.
+    Each row runs in a process of its own (testing/model_bench.py).
+
+Progress is printed as it goes; the JSON is rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NORM_SHAPES = ((8192, 4096), (16384, 4096), (16384, 2048))  # tokens x hidden: the 8B and 1B steps' norms
+STEP_ROWS = (("kernelkit-fp8", "1"), ("kernelkit-fp8", "0"), ("kernelkit-fp8+compile", "1"),
+             ("kernelkit-fp8+compile", "0"))
+
+
+def _env():
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+
+
+def bench_norm(shapes, measure_ceiling: bool, progress) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kernelkit.hw.ceilings import ceilings_for
+    from kernelkit.hw.specs import lookup
+    from kernelkit.ops.gemm.fp8 import quantize_rows, quantize_rows_reference
+    from kernelkit.ops.rms_norm import rms_norm_fp8_fwd, rms_norm_fwd
+
+    if measure_ceiling:
+        ceil, _ = ceilings_for()
+        copy_gbps, source = ceil.copy_gbps, "measured copy"
+    else:
+        spec = lookup(torch.cuda.get_device_name())
+        copy_gbps, source = (spec.mem_gbps if spec else float("nan")), "datasheet HBM"
+
+    def torch_pair(x, w, eps):
+        return quantize_rows_reference(F.rms_norm(x, (x.shape[-1],), w, eps))
+
+    compiled = torch.compile(torch_pair)
+    rows = []
+    for m, n in shapes:
+        progress(f"norm {m}x{n}")
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        w = 1.0 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        eps = 1e-5
+        y, _, q, s = rms_norm_fp8_fwd(x, w, eps)
+        qr, sr = quantize_rows(y)
+        exact = bool(torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr))
+        paths = {
+            "rms_norm_fp8 (fused)": lambda: rms_norm_fp8_fwd(x, w, eps),
+            "rms_norm + quantize_rows": lambda: quantize_rows(rms_norm_fwd(x, w, eps)[0]),
+            "rms_norm alone (bf16 path)": lambda: rms_norm_fwd(x, w, eps),
+            "torch.compile(F.rms_norm + quantize)": lambda: compiled(x, w, eps),
+        }
+        fused_bytes = m * n * (2 + 2 + 1) + n * 2 + m * 4  # x in; y, q, scales out; w
+        row = {"tokens": m, "hidden": n, "dtype": "bfloat16", "bit_exact_vs_quantize_rows": exact,
+               "ideal_bytes": fused_bytes, "ceiling_gbps": copy_gbps, "ceiling": source, "ms": {}, "gbps": {},
+               "pct_of_ceiling": {}}
+        for name, fn in paths.items():
+            ms = do_bench(fn, return_mode="median")
+            row["ms"][name] = ms
+            row["gbps"][name] = fused_bytes / ms / 1e6  # the fused op's ideal bytes over each path's time
+            row["pct_of_ceiling"][name] = 100.0 * row["gbps"][name] / copy_gbps
+        row["fused_speedup_vs_pair"] = row["ms"]["rms_norm + quantize_rows"] / row["ms"]["rms_norm_fp8 (fused)"]
+        progress("  " + ", ".join(f"{k} {v * 1e3:.0f} us ({row['gbps'][k]:.0f} GB/s, "
+                                  f"{row['pct_of_ceiling'][k]:.0f}%)" for k, v in row["ms"].items())
+                 + f"; fused {row['fused_speedup_vs_pair']:.2f}x the pair; bit-exact {exact}")
+        rows.append(row)
+    return rows
+
+
+def bench_step(args, progress, save) -> list[dict]:
+    rows = []
+    for variant, fuse in STEP_ROWS:
+        if args.no_compile and "compile" in variant:
+            continue
+        progress(f"step {variant} KERNELKIT_FP8_FUSE={fuse} ...")
+        env = dict(os.environ, KERNELKIT_FP8_FUSE=fuse, KERNELKIT_PATCH_CHOICE=args.choice)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp, "row.json")
+            cmd = [sys.executable, "-m", "kernelkit.testing.model_bench", "--variant", variant, "--example",
+                   args.example, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--steps", str(args.steps), "--json", str(out), "--kernels"]
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+            row = json.loads(out.read_text()) if proc.returncode == 0 else {"error": (proc.stderr or proc.stdout)[-1500:]}
+        row.update(variant=variant, fp8_fuse=fuse, choice=args.choice, wall_s=time.time() - t0)
+        k = row.get("kernels") or {}
+        row["quantize_ms_per_step"] = (k.get("families_ms") or {}).get("fp8 quantization")
+        rows.append(row)
+        if "error" in row:
+            progress(f"  failed: {row['error'][-300:]}")
+        else:
+            progress(f"  {row['step_ms']:.1f} ms/step, {k.get('kernels_per_step', float('nan')):.0f} kernels/step, "
+                     f"quantization {row['quantize_ms_per_step'] or 0:.2f} ms/step, peak {row['peak_gib']:.1f} GiB, "
+                     f"loss {row['loss']:.4f}")
+        save(rows)
+    for r in rows:  # each fused row against its unfused twin
+        twin = next((t for t in rows if t["variant"] == r["variant"] and t["fp8_fuse"] == "0" and "step_ms" in t), None)
+        if r["fp8_fuse"] == "1" and twin and "step_ms" in r:
+            r["speedup_vs_unfused"] = twin["step_ms"] / r["step_ms"]
+            r["kernels_saved_per_step"] = twin["kernels"]["kernels_per_step"] - r["kernels"]["kernels_per_step"]
+            r["loss_rel_diff_vs_unfused"] = abs(r["loss"] - twin["loss"]) / abs(twin["loss"])
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="fp8_fusion.json")
+    ap.add_argument("--part", choices=("norm", "step", "all"), default="all")
+    ap.add_argument("--measure-ceiling", action="store_true", help="measure the copy ceiling (cached per GPU)")
+    ap.add_argument("--example", default="llama")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--choice", choices=("kernelkit", "auto"), default="kernelkit")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows of the step")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per step row")
+    args = ap.parse_args()
+    doc = {"env": _env(), "args": vars(args)}
+
+    def save(part=None, rows=None):
+        if part:
+            doc[part] = rows
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+
+    def progress(msg):
+        print(msg, flush=True)
+
+    if args.part in ("norm", "all"):
+        save("norm", bench_norm(NORM_SHAPES, args.measure_ceiling, progress))
+    if args.part in ("step", "all"):
+        bench_step(args, progress, lambda rows: save("step", rows))
+    save()
+    progress(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
