@@ -48,6 +48,29 @@ def _kk(gluon: bool):
     return run
 
 
+def _kk_variant(stages: int | None = None, persistent: bool | None = None, overlap: bool | None = None):
+    """kernelkit's Gluon forward with `stages` K/V ring slots at d64 (d128 fits 2 only) and / or the persistent walk
+    on or off."""
+    from kernelkit.ops.attention import hopper
+
+    def run(q, k, v, causal):
+        fwd_mod.GLUON = True
+        old = dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP)
+        if stages:
+            hopper.STAGES[64] = stages
+        if persistent is not None:
+            hopper.PERSISTENT[bool(causal)] = persistent
+        if overlap is not None:
+            hopper.OVERLAP[q.shape[-1]] = overlap
+        try:
+            return attention(q, k, v, causal=causal)
+        finally:
+            hopper.STAGES.update(old[0])
+            hopper.PERSISTENT.update(old[1])
+            hopper.OVERLAP.update(old[2])
+    return run
+
+
 def _fa4():
     from flash_attn.cute import flash_attn_func  # noqa: F401 - FlashAttention-4 (CuTe DSL)
 
@@ -57,11 +80,15 @@ def _fa4():
     return run
 
 
-def impls(want_fa4: bool) -> dict:
+def impls(want_fa4: bool, stages=(), variants=False) -> dict:
     from torch.nn.attention import SDPBackend
 
     got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
            "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
+    got.update({f"kk-gluon-s{n}": _kk_variant(stages=n) for n in stages})
+    if variants:
+        got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-serial": _kk_variant(overlap=False),
+                    "kk-gluon-grid-serial": _kk_variant(persistent=False, overlap=False)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -106,9 +133,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="attention_vs_cudnn.json")
     ap.add_argument("--bwd", action="store_true", help="also time forward + backward")
     ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument("--stages", default="", help="also kernelkit's Gluon forward at these d64 ring depths (2,3)")
+    ap.add_argument("--variants", action="store_true", help="also the Gluon forward with one program per tile and / or without the intra-warpgroup overlap")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
-    fns = impls(not a.no_fa4)
+    fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants)
     todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -98,8 +98,8 @@ lse = torch.empty(2, 4, 200)
 args = dict(q_desc=hopper._desc(q, hopper.HALF_M), k_desc=hopper._desc(k, hopper.BLOCK_N),
             v_desc=hopper._desc(k, hopper.BLOCK_N), o_desc=hopper._desc(o, hopper.HALF_M), LSE=lse,
             stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=200, seqlen_k=300, n_heads_q=4, group=2,
-            scale2=0.2)
-const = dict(CAUSAL=causal, STAGES=hopper.STAGES,
+            n_m=2, n_bh=8, scale2=0.2)
+const = dict(CAUSAL=causal, STAGES=hopper.STAGES[d], OVERLAP=hopper.OVERLAP[d],
              Q_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.HALF_M, d], gl.bfloat16),
              KV_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_N, d], gl.bfloat16),
              CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS)

@@ -25,12 +25,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...runtime import cdiv
+from ...runtime import cdiv, num_sms
 
 HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = 2 * HALF_M
 BLOCK_N = 128
-STAGES = 2  # K and V slots: d128 keeps 2 x (32 + 32) KiB of K/V and 32 KiB of Q in shared memory
+# K/V ring slots per head_dim: d128 holds 2 x (32 + 32) KiB of K/V beside 32 KiB of Q and 32 KiB of O tiles
+# (192 of the SM's 227 KiB); d64 has room for more.
+STAGES = {64: 3, 128: 2}
+# Persistent (one program per SM walking the tiles, the producer loading the next tile under this one's
+# epilogue) or one program per tile, by causal.
+PERSISTENT = {False: True, True: True}
+# FlashAttention-3's intra-warpgroup overlap (block j's softmax under block j-1's P·V), by head_dim.
+OVERLAP = {64: True, 128: True}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 HEAD_DIMS = (64, 128)
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -55,44 +62,84 @@ def _block_range(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, b, h, hk, m0,
-              seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the query tile's two halves, then every key block's K and V into the ring once both consumers
-    have released the slot."""
-    HALF: gl.constexpr = q_desc.block_type.shape[2]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    _, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF, BLOCK_N)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for i in gl.static_range(2):
-        dst = q_bufs.index(i)._reinterpret(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + i * HALF, 0], q_bar, dst)
-    for j in range(n_total):
-        slot = j % STAGES
-        # A fresh barrier counts as having completed the phase before its first: round 0 passes at once.
-        mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        kd = k_bufs.index(slot)._reinterpret(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot), kd)
-        vd = v_bufs.index(slot)._reinterpret(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot), vd)
+def _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile t of the walk: (b, h, hk, m0). Causal: the longest query tiles (the last) first, all heads of one
+    tile row before the next, so the short tiles fill the end; the persistent walk's odd rounds run backwards
+    (zigzag), so a program that drew one of a round's longest tiles draws one of the next round's shortest.
+    Otherwise one head's tiles in order (they share its K/V in L2)."""
+    if CAUSAL:
+        g = gl.num_programs(0)
+        r = t // g
+        t = gl.where((r % 2 == 1) & ((r + 1) * g <= n_m * n_bh), r * g + (g - 1 - t % g), t)
+        pid_m = n_m - 1 - t // n_bh
+        pid_bh = t % n_bh
+    else:
+        pid_m = t % n_m
+        pid_bh = t // n_m
+    h = pid_bh % n_heads_q
+    return pid_bh // n_heads_q, h, h // group, pid_m * BLOCK_M
 
 
 @gluon.jit
-def _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, acc, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, n_m,
+              n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: for each of the program's tiles, the query tile's two halves once both consumers are done
+    with the last tile's, then every key block's K and V into the ring once both consumers have released the
+    slot. It runs ahead into the next tile while the consumers finish this one."""
+    HALF: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    c = gl.to_tensor(0)  # key blocks issued, over all tiles: the ring's slot and phase
+    i = gl.to_tensor(0)  # tiles issued
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, 2 * HALF)
+        _, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF, BLOCK_N)
+        # A fresh barrier counts as having completed the phase before its first: round 0 passes at once.
+        mbarrier.wait(q_empty, (i & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            dst = q_bufs.index(half)._reinterpret(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF, 0], q_ready, dst)
+        for j in range(n_total):
+            slot = c % STAGES
+            mbarrier.wait(kv_empty.index(slot), ((c // STAGES) & 1) ^ 1)
+            kd = k_bufs.index(slot)._reinterpret(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot), kd)
+            vd = v_bufs.index(slot)._reinterpret(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot), vd)
+            c += 1
+        i += 1
+
+
+@gluon.jit
+def _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One key block of one warpgroup: S = QKᵀ, the online softmax (base 2, the scale folded into the
-    exponent's FMA), O = O·alpha + P·V."""
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
-    s_layout: gl.constexpr = zero_s.type.layout
+    """Key block j (the c-th through the ring) of one warpgroup: S = QKᵀ, the online softmax (base 2, the scale
+    folded into the exponent's FMA), O = O·alpha + P·V."""
     o_layout: gl.constexpr = acc.type.layout
-    slot = j % STAGES
-    phase = (j // STAGES) & 1
+    slot = c % STAGES
+    phase = (c // STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
     s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_new, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED, CAUSAL)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(v_ready.index(slot), phase)
+    acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index(slot), count=1)
+    return acc, l_i, m_new
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """The online softmax of key block j's scores: (p, alpha, m_new, l_new), base 2, the scale folded into the
+    exponent's FMA."""
+    BLOCK_N: gl.constexpr = s.type.shape[1]
     if MASKED:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         ok = gl.expand_dims(cols, 0) < seqlen_k
         if CAUSAL:
             ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + shift)
@@ -104,21 +151,37 @@ def _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, acc, l_i, m_i, zero_
         m_use = m_new
     p = gl.exp2(s * scale2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    mbarrier.wait(v_ready.index(slot), phase)
-    acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(kv_empty.index(slot), count=1)
-    return acc, l_i, m_new
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, stride_lb, stride_lh, b, h,
-              m0, seqlen_q, seqlen_k, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
-    """One warpgroup: rows [m0 + 64 HALF, +64) of the tile, every key block the producer streams, then O / l
-    through shared memory (the query half's slot) and a TMA store, and the row's log-sum-exp."""
+def _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, p_prev, l_i, m_i, zero_s, rows,
+                     seqlen_k, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """FlashAttention-3's intra-warpgroup overlap: block j's QKᵀ and block j-1's P·V are both issued, then
+    block j's softmax runs while P·V is still on the tensor cores; O is rescaled once P·V lands."""
+    o_layout: gl.constexpr = acc.type.layout
+    slot = c % STAGES
+    prev = (c - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
+    s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # groups complete in order: QKᵀ first
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED, CAUSAL)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(k_bufs.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return acc, p_op, l_i, m_i
+
+
+@gluon.jit
+def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE, stride_lb,
+              stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, scale2, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup: rows [m0 + 64 HALF, +64) of each of the program's tiles, every key block the producer
+    streams; then O / l through its own shared-memory slot and a TMA store left in flight under the next tile,
+    and the rows' log-sum-exp."""
     HALF_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_D: gl.constexpr = q_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -127,55 +190,90 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    n_full, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N)
-    rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_s)
-    shift = seqlen_k - seqlen_q
-    m_i = gl.full([HALF_M], NEG_INF, gl.float32, layout=row_s)
-    l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
-    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)  # use_acc=False: its layout only
     q = q_bufs.index(HALF)
-    mbarrier.wait(q_bar, 0)
-    for j in range(0, n_full):
-        acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, acc, l_i, m_i, zero_s, rows,
-                              seqlen_k, shift, scale2, False, CAUSAL, STAGES)
-    for j in range(n_full, n_total):
-        acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, acc, l_i, m_i, zero_s, rows,
-                              seqlen_k, shift, scale2, True, CAUSAL, STAGES)
-    empty_row = l_i == 0.0
-    l_safe = gl.where(empty_row, 1.0, l_i)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q.store(o.to(o_desc.dtype))  # every wgmma reading this half's queries has completed
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF * HALF_M, 0],
-                                    q._reinterpret(o_desc.dtype, o_desc.block_type.shape, o_desc.layout))
-    lse = gl.where(empty_row, NEG_INF, (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < seqlen_q)
+    o_smem = o_bufs.index(HALF)
+    shift = seqlen_k - seqlen_q
+    c = gl.to_tensor(0)
+    i = gl.to_tensor(0)
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, 2 * HALF_M)
+        n_full, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N)
+        rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_s)
+        m_i = gl.full([HALF_M], NEG_INF, gl.float32, layout=row_s)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
+        acc = gl.zeros([HALF_M, HEAD_D], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, i & 1)
+        if OVERLAP:
+            if n_total > 0:
+                # block 0 alone (masked: it may hold the diagonal or the ragged end), then each step issues
+                # block j's QKᵀ with block j-1's P·V, and the last P·V after the loops
+                slot = c % STAGES
+                mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
+                s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, shift, scale2, True, CAUSAL)
+                p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
+                c += 1
+                for j in range(1, n_full):
+                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc,
+                                                           p_op, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
+                                                           False, CAUSAL, STAGES)
+                    c += 1
+                for j in range(gl.maximum(n_full, 1), n_total):
+                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc,
+                                                           p_op, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
+                                                           True, CAUSAL, STAGES)
+                    c += 1
+                prev = (c - 1) % STAGES
+                mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+        else:
+            for j in range(0, n_full):
+                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s,
+                                      rows, seqlen_k, shift, scale2, False, CAUSAL, STAGES)
+                c += 1
+            for j in range(n_full, n_total):
+                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s,
+                                      rows, seqlen_k, shift, scale2, True, CAUSAL, STAGES)
+                c += 1
+        mbarrier.arrive(q_empty, count=1)  # every wgmma reading this half's queries has completed
+        empty_row = l_i == 0.0
+        l_safe = gl.where(empty_row, 1.0, l_i)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        tma.store_wait(pendings=0)  # the last tile's store has finished reading o_smem
+        o_smem.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF * HALF_M, 0],
+                                        o_smem._reinterpret(o_desc.dtype, o_desc.block_type.shape, o_desc.layout))
+        lse = gl.where(empty_row, NEG_INF, (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < seqlen_q)
+        i += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q,
-                           group, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr,
+                           group, n_m, n_bh, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                           OVERLAP: gl.constexpr, Q_SMEM: gl.constexpr,
                            KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (query tiles, batch x heads). Q_SMEM / KV_SMEM: the 2-D shared layouts of the descriptors' boxes
-    (the same swizzle; the copies see the buffers through the descriptors' 4-D layouts)."""
+    """Persistent: a grid of at most one program per SM walks the n_m x n_bh tiles (n_m query tiles of 128 rows
+    per head, n_bh = batch x heads). Q_SMEM / KV_SMEM: the 2-D shared layouts of the descriptors' boxes (the
+    same swizzle; the copies see the buffers through the descriptors' 4-D layouts)."""
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    # Query tiles in reverse under a causal mask: the last are the longest, started first they leave the
-    # short ones to fill the grid's tail.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // n_heads_q
-    h = pid_bh % n_heads_q
-    hk = h // group
-    m0 = pid_m * (2 * HALF)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_D], Q_SMEM)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, HALF, HEAD_D], Q_SMEM)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], KV_SMEM)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], KV_SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -188,14 +286,21 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
     seqlen_k = gl.to_tensor(seqlen_k)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE,
-                                     stride_lb, stride_lh, b, h, m0, seqlen_q, seqlen_k, scale2, CAUSAL, STAGES, 0)),
-                        (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE,
-                                     stride_lb, stride_lh, b, h, m0, seqlen_q, seqlen_k, scale2, CAUSAL, STAGES, 1)),
-                        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready,
-                                     kv_empty, b, h, hk, m0, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+    n_heads_q = gl.to_tensor(n_heads_q)
+    group = gl.to_tensor(group)
+    n_m = gl.to_tensor(n_m)
+    n_bh = gl.to_tensor(n_bh)
+    gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                     o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, 0)),
+                        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                     o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, 1)),
+                        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                     v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(q_ready)
+    mbarrier.invalidate(q_empty)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
@@ -227,16 +332,16 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             block, layout)
 
 
-def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: int = STAGES) -> None:
+def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: int | None = None) -> None:
     """o, lse = attention(q, k, v) through attn_fwd_hopper_kernel (`supports` checked by the caller)."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
     dt = _GL[q.dtype]
     q_smem = gl.NVMMASharedLayout.get_default_for([HALF_M, d], dt)
     kv_smem = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
-    grid = (cdiv(seq_q, BLOCK_M), batch * hq)
+    n_m, n_bh = cdiv(seq_q, BLOCK_M), batch * hq
+    grid = (min(n_m * n_bh, num_sms(q.device)) if PERSISTENT[bool(causal)] else n_m * n_bh,)
     attn_fwd_hopper_kernel[grid](
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
-        seq_q, seq_k, hq, hq // hk, scale2, CAUSAL=bool(causal), STAGES=stages, Q_SMEM=q_smem, KV_SMEM=kv_smem,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-
+        seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d], OVERLAP=OVERLAP[d],
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
