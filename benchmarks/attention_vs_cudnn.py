@@ -41,10 +41,20 @@ def _sdpa(backend):
     return run
 
 
-def _kk(gluon: bool):
+def _kk(gluon: bool | None):
+    """kernelkit's forward: the Gluon kernel forced (True), the Triton one (False), or as shipped (None: the Gluon
+    kernel where `hopper.preferred` says it measured faster)."""
+    from kernelkit.ops.attention import hopper
+
     def run(q, k, v, causal):
-        fwd_mod.GLUON = gluon
-        return attention(q, k, v, causal=causal)
+        fwd_mod.GLUON = gluon is not False
+        old = dict(hopper.TRITON_UP_TO)
+        if gluon:
+            hopper.TRITON_UP_TO.clear()
+        try:
+            return attention(q, k, v, causal=causal)
+        finally:
+            hopper.TRITON_UP_TO.update(old)
     return run
 
 
@@ -55,7 +65,8 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
 
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        old = dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP)
+        old = dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO)
+        hopper.TRITON_UP_TO.clear()
         if stages:
             hopper.STAGES[64] = stages
         if persistent is not None:
@@ -68,6 +79,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
             hopper.STAGES.update(old[0])
             hopper.PERSISTENT.update(old[1])
             hopper.OVERLAP.update(old[2])
+            hopper.TRITON_UP_TO.update(old[3])
     return run
 
 
@@ -83,12 +95,11 @@ def _fa4():
 def impls(want_fa4: bool, stages=(), variants=False) -> dict:
     from torch.nn.attention import SDPBackend
 
-    got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
            "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
     got.update({f"kk-gluon-s{n}": _kk_variant(stages=n) for n in stages})
     if variants:
-        got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-serial": _kk_variant(overlap=False),
-                    "kk-gluon-grid-serial": _kk_variant(persistent=False, overlap=False)})
+        got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-overlap": _kk_variant(overlap=True)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

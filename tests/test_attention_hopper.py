@@ -81,6 +81,11 @@ def test_attention_fwd_routes_supported_calls_to_gluon(monkeypatch):
     assert calls == [((1, 300, 4, 64), True, pytest.approx(0.5 * 1.4426950408889634))]
     fwd_mod.attention_fwd(q[:, :4], k, v)
     assert calls[-1] == "decode"
+    monkeypatch.setitem(hopper.TRITON_UP_TO, (64, True), 300)  # where Triton measured faster: kept
+    fwd_mod.attention_fwd(q, k, v, causal=True)
+    assert calls[-1] == "triton"
+    fwd_mod.attention_fwd(q, k, v)
+    assert calls[-1][1] is False
     monkeypatch.setattr(fwd_mod, "GLUON", False)
     fwd_mod.attention_fwd(q, k, v)
     assert calls[-1] == "triton"

@@ -238,6 +238,7 @@ def _patched_step(monkeypatch, device, fuse: str, family="llama"):
 
     modules = sys.modules["kernelkit.patch.modules"]
     monkeypatch.setenv("KERNELKIT_FP8_FUSE", fuse)
+    monkeypatch.setenv("KERNELKIT_PATCH_CHOICE", "kernelkit")  # the undo below drops conftest's setting too
     calls = {"rows": 0, "cols": 0, "norm_fp8": 0}
     for mod, name, kind in ((F8, "quantize_rows", "rows"), (F8, "quantize_cols_t", "cols"),
                             (modules, "rms_norm_fp8", "norm_fp8")):

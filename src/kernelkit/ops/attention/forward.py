@@ -351,8 +351,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if decode:
         _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common)
         return o, lse
-    if GLUON and _hopper is not None and not interpreting() and _hopper.supports(q, k, v, o, causal, window, softcap,
-                                                                                 varlen):
+    if (GLUON and _hopper is not None and not interpreting() and _hopper.preferred(d, causal, seq_k)
+            and _hopper.supports(q, k, v, o, causal, window, softcap, varlen)):
         _hopper.attention_fwd_hopper(q, k, v, o, lse, causal, score[0])
         return o, lse
     sq_, sk_, lq = row_strides(q, varlen), row_strides(k, varlen), lse.stride()

@@ -36,8 +36,11 @@ STAGES = {64: 3, 128: 2}
 # Persistent (one program per SM walking the tiles, the producer loading the next tile under this one's
 # epilogue) or one program per tile, by causal.
 PERSISTENT = {False: True, True: True}
+# Where the Triton kernel measured faster on the H100 (benchmarks/attention_vs_cudnn.py): (head_dim, causal) ->
+# the longest key length it keeps; longer calls take this kernel.
+TRITON_UP_TO = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0}
 # FlashAttention-3's intra-warpgroup overlap (block j's softmax under block j-1's P·V), by head_dim.
-OVERLAP = {64: True, 128: True}
+OVERLAP = {64: False, 128: False}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 HEAD_DIMS = (64, 128)
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -63,19 +66,18 @@ def _block_range(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.const
 
 @gluon.jit
 def _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Tile t of the walk: (b, h, hk, m0). Causal: the longest query tiles (the last) first, all heads of one
-    tile row before the next, so the short tiles fill the end; the persistent walk's odd rounds run backwards
-    (zigzag), so a program that drew one of a round's longest tiles draws one of the next round's shortest.
-    Otherwise one head's tiles in order (they share its K/V in L2)."""
+    """Tile t of the walk: (b, h, hk, m0). Head by head, so the tiles running at once share a few heads' K/V in
+    L2 (longest first across heads thrashed it: 16 heads' K/V at 16k tokens is 128 MB). Causal: a head's
+    longest query tiles (the last) first, and the persistent walk's odd rounds run backwards (zigzag), so a
+    program that drew one of a round's longest tiles draws one of the next round's shortest."""
     if CAUSAL:
         g = gl.num_programs(0)
         r = t // g
         t = gl.where((r % 2 == 1) & ((r + 1) * g <= n_m * n_bh), r * g + (g - 1 - t % g), t)
-        pid_m = n_m - 1 - t // n_bh
-        pid_bh = t % n_bh
+        pid_m = n_m - 1 - t % n_m
     else:
         pid_m = t % n_m
-        pid_bh = t // n_m
+    pid_bh = t // n_m
     h = pid_bh % n_heads_q
     return pid_bh // n_heads_q, h, h // group, pid_m * BLOCK_M
 
@@ -321,6 +323,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in _GL
             and q.shape[-1] in HEAD_DIMS and not varlen and window is None and not softcap
             and all(_tma_ok(t) for t in (q, k, v, o)))
+
+
+def preferred(d: int, causal: bool, seq_k: int) -> bool:
+    """Whether this kernel measured faster than the Triton one at this head_dim, mask and key length."""
+    return seq_k > TRITON_UP_TO.get((d, bool(causal)), 0)
 
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
