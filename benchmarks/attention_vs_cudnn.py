@@ -70,7 +70,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
         if stages:
             hopper.STAGES[64] = stages
         if persistent is not None:
-            hopper.PERSISTENT[bool(causal)] = persistent
+            hopper.PERSISTENT[bool(causal)] = None if persistent else 0
         if overlap is not None:
             hopper.OVERLAP[q.shape[-1]] = overlap
         try:

@@ -33,13 +33,18 @@ BLOCK_N = 128
 # K/V ring slots per head_dim: d128 holds 2 x (32 + 32) KiB of K/V beside 32 KiB of Q and 32 KiB of O tiles
 # (192 of the SM's 227 KiB); d64 has room for more.
 STAGES = {64: 3, 128: 2}
-# Persistent (one program per SM walking the tiles, the producer loading the next tile under this one's
-# epilogue) or one program per tile, by causal.
-PERSISTENT = {False: True, True: True}
+# The persistent walk (one program per SM walking the tiles, the producer loading the next tile under this one's
+# epilogue), by causal: the most query tiles per head it takes (None: any); other calls run one program per tile.
+# H100 (benchmarks/experiments/h100/2026-11-26-attention-gluon): persistent 2-11% faster without a mask and for
+# causal heads up to 4096 queries (d128 s1024 causal 371 vs 342 TFLOP/s), one program per tile faster for long
+# causal heads (d128 s16384 causal 576 vs 430).
+PERSISTENT = {False: None, True: 32}
 # Where the Triton kernel measured faster on the H100 (benchmarks/attention_vs_cudnn.py): (head_dim, causal) ->
 # the longest key length it keeps; longer calls take this kernel.
-TRITON_UP_TO = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 0}
-# FlashAttention-3's intra-warpgroup overlap (block j's softmax under block j-1's P·V), by head_dim.
+# d64 s1024 causal: Triton 274 vs 262-265 TFLOP/s; every other row of the table took this kernel.
+TRITON_UP_TO = {(64, False): 0, (64, True): 1024, (128, False): 0, (128, True): 0}
+# FlashAttention-3's intra-warpgroup overlap (block j's softmax under block j-1's P·V), by head_dim: measured
+# 0-12% slower than the serial loop on the H100 (and 24% at d128 s16384 causal), so off; kept for A/B.
 OVERLAP = {64: False, 128: False}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 HEAD_DIMS = (64, 128)
@@ -347,7 +352,8 @@ def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: i
     q_smem = gl.NVMMASharedLayout.get_default_for([HALF_M, d], dt)
     kv_smem = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
     n_m, n_bh = cdiv(seq_q, BLOCK_M), batch * hq
-    grid = (min(n_m * n_bh, num_sms(q.device)) if PERSISTENT[bool(causal)] else n_m * n_bh,)
+    cap = PERSISTENT[bool(causal)]
+    grid = (min(n_m * n_bh, num_sms(q.device)) if cap is None or n_m <= cap else n_m * n_bh,)
     attn_fwd_hopper_kernel[grid](
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
         seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d], OVERLAP=OVERLAP[d],
