@@ -95,7 +95,8 @@ def _fa4():
 def impls(want_fa4: bool, stages=(), variants=False) -> dict:
     from torch.nn.attention import SDPBackend
 
-    got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None),
+           "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
            "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
     got.update({f"kk-gluon-s{n}": _kk_variant(stages=n) for n in stages})
     if variants:
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", action="store_true", help="also time forward + backward")
     ap.add_argument("--no-fa4", action="store_true")
     ap.add_argument("--stages", default="", help="also kernelkit's Gluon forward at these d64 ring depths (2,3)")
-    ap.add_argument("--variants", action="store_true", help="also the Gluon forward with one program per tile and / or without the intra-warpgroup overlap")
+    ap.add_argument("--variants", action="store_true",
+                    help="also the Gluon forward with one program per tile, and with the intra-warpgroup overlap")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
     fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants)

@@ -304,7 +304,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
                                      o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
                                      seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, 1)),
                         (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+                                     v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL,
+                                     STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(q_ready)
     mbarrier.invalidate(q_empty)
@@ -356,5 +357,6 @@ def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: i
     grid = (min(n_m * n_bh, num_sms(q.device)) if cap is None or n_m <= cap else n_m * n_bh,)
     attn_fwd_hopper_kernel[grid](
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
-        seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d], OVERLAP=OVERLAP[d],
+        seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d],
+        OVERLAP=OVERLAP[d],
         Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
