@@ -1,4 +1,4 @@
-"""What RMSNorm (ops/rms_norm.py) and LayerNorm (ops/layer_norm.py) share: how their backward is laid out over
+"""What RMSNorm (ops/rms_norm/) and LayerNorm (ops/layer_norm.py) share: how their backward is laid out over
 the GPU, the second stage of the weight (and bias) gradient, and the modules' input check.
 
 Both backwards write dx row by row and reduce dweight over the rows in two stages: programs keep fp32 partial

@@ -1,6 +1,6 @@
 """LayerNorm: y = (x - mean) * rstd * w + b over the last dim, forward and backward.
 
-The same plan as RMSNorm (ops/rms_norm.py): rows in registers, several per program when short, cooperative
+The same plan as RMSNorm (ops/rms_norm/): rows in registers, several per program when short, cooperative
 rows (ops/_coop.py) past MAX_FUSED_N for fp32 rows (COOP_DTYPES), else a looped two-pass kernel; a persistent backward whose programs keep their
 share of dweight and dbias in registers, finished by a column sum. The backward needs mean and
 rstd per row (8 bytes a row, saved by the forward) to rebuild xhat without a second statistics pass.
@@ -35,7 +35,7 @@ MAX_FUSED_N = 32768
 # wide-row backward (WideBackward in ops/_norm_common.py).
 MAX_FUSED_BWD_N = 8192
 LOOP_BLOCK_N = 4096
-# The fused backward by row block, as RMSNorm's (ops/rms_norm.py FUSED_BWD). H100, bf16, 128 MB inputs, backward
+# The fused backward by row block, as RMSNorm's (ops/rms_norm FUSED_BWD). H100, bf16, 128 MB inputs, backward
 # µs, 8 vs 2 programs per SM (benchmarks/experiments/h100/2026-11-25-norm-bwd-candidates): 280 vs 369 at 256
 # columns, 278 vs 341 at 1024, 275 vs 239 and 344 (two readings of one design) at 512, where torch.compile's 180
 # beats both: a loss that remains.

@@ -12,8 +12,8 @@
                 records GroupedMode / GroupedTmaMode), the per-expert wgrads, their launchers
     precise.py  the Gluon warp-specialized fp8 kernel of scaled_matmul's precise mode (Hopper, Triton 3.6+)
 
-Who uses what: ops/linear.py (tiles), ops/scaled_matmul.py (tiles, precise), ops/mxfp8.py (mx), ops/moe/ (tiles,
-fp8, grouped), ops/fp8_linear.py and ops/rms_norm.py (fp8), ladder/hgemm_gluon.py (tiles). Imports point down:
+Who uses what: ops/linear/ (tiles), ops/scaled_matmul.py (tiles, precise), ops/mxfp8.py (mx), ops/moe/ (tiles,
+fp8, grouped), ops/fp8_linear.py and ops/rms_norm/ (fp8), ladder/hgemm_gluon.py (tiles). Imports point down:
 tiles and mx import nothing of ops but _validate; fp8 imports mx; grouped imports tiles, fp8 and mx; precise imports
 tiles.
 """

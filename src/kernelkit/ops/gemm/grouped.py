@@ -21,7 +21,7 @@ from .mx import e8m0_to_fp32, mx_encode
 
 def _gemm_configs() -> list:
     # The first config is the interpreter's: 16-row tiles split the test shapes' experts (5-20 rows each) into
-    # several tiles with ragged tails. The rest are Hopper GEMM tiles as in linear.py, plus 16/32-row tiles for
+    # several tiles with ragged tails. The rest are Hopper GEMM tiles as in ops/linear/, plus 16/32-row tiles for
     # few tokens per expert (decode, or 256 experts), where a 128-row tile would be mostly padding.
     return tile_configs(((16, 16, 16, 2, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 3, 8),
                          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 3, 8),
@@ -272,7 +272,7 @@ def moe_grouped_gemm_kernel(A, A_IDX, stride_am, stride_ak,  # A (rows, K); row 
     acc_up = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
     if B_TMA:
         # The experts' weights in nn.Linear's (out, in) layout are K-contiguous: a pointer-loaded (K, N) tile of
-        # them is the layout the dense GEMM lost 25% on (see ops/linear.py). Here they come through one 3-D
+        # them is the layout the dense GEMM lost 25% on (see ops/linear/). Here they come through one 3-D
         # descriptor over (E, N rows [2N: gate | up], K) as (BN, BLOCK_K) boxes the MMA takes transposed;
         # boxes past an expert's rows or K read zeros. The gathered A rows stay pointer loads.
         NT = 2 * N if EPILOGUE == "swiglu" else N
