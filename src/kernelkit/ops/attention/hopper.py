@@ -1,19 +1,24 @@
 """Attention forward on Hopper in Gluon, FlashAttention-3's layout: a producer warp and two consumer warpgroups.
 
-One CTA owns 128 queries of one head. A producer warp copies the two 64-row halves of the query tile once,
-then streams the head's key and value tiles through a ring of STAGES shared-memory slots with TMA, each
-tile signalling its own mbarrier (a consumer starts QKᵀ while V is still landing). Each consumer warpgroup
-owns one 64-row half: per key block it runs QKᵀ on the tensor cores (wgmma, both operands in shared
-memory), the online softmax in registers, and P·V with P straight from registers (wgmma's register A
-operand: the score accumulator's layout converts to it without a shuffle), then releases the slot through an
-mbarrier counting both consumers. The tensor cores serve one warpgroup's wgmma at a time, so the two
-warpgroups drift apart and one's softmax runs under the other's GEMMs (FA3's "ping-pong", here without
-a named barrier forcing the order).
+A tile is 128 queries of one head. A producer warp copies the tile's two 64-row query halves, then streams the
+head's key and value tiles through a ring of STAGES shared-memory slots with TMA, K and V each signalling its own
+mbarrier (a consumer starts QKᵀ while V is still landing). Each consumer warpgroup owns one 64-row half: per key
+block it runs QKᵀ on the tensor cores (wgmma, both operands in shared memory), the online softmax in registers,
+and P·V with P straight from registers (wgmma's register A operand), then releases the slot through an mbarrier
+counting both consumers. The tensor cores serve one warpgroup's wgmma at a time, so the two drift apart and one's
+softmax runs under the other's GEMMs (FA3's ping-pong, here without a barrier forcing the order). O leaves
+through its own shared tiles and a TMA store left in flight.
+
+The walk (`PERSISTENT`): one program per SM walks the tiles head by head, the producer loading the next tile
+under this one's epilogue; causal heads of more than 32 query tiles run one program per tile instead (measured
+faster there). FA3's intra-warpgroup overlap (`OVERLAP`) is built and measured slower, so off. H100 figures
+and what was tried: docs/ops/attention.md.
 
 Scope (`supports`): sm_90, bf16/fp16, head_dim 64 or 128, (batch, seq, heads, head_dim) tensors read in place
-through 4-D tensor descriptors (any batch/seq/head strides that TMA takes: non-zero, 16-byte aligned),
-causal or not (bottom-right aligned), GQA/MQA. Packed sequences, sliding windows, softcap, decoding and every
-other GPU take the Triton kernels in `forward`.
+through 4-D tensor descriptors (any batch/seq/head strides that TMA takes: non-zero, 16-byte aligned; each head's
+rows are zero-filled and clipped at its end), causal or not (bottom-right aligned), GQA/MQA. Packed sequences,
+sliding windows, softcap, decoding, every other GPU and the rows where Triton measured faster
+(`TRITON_UP_TO`) take the Triton kernels in `forward`.
 """
 
 from __future__ import annotations
