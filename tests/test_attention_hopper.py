@@ -221,3 +221,37 @@ def test_gpu_gluon_agrees_with_triton_and_propagates_nan(monkeypatch):
     o = attention(q, k, v, causal=True)
     o_ref = reference(q, k, v, causal=True)
     assert torch.equal(o.isnan(), o_ref.isnan())
+
+
+# --- FlashAttention-4 as a competitor row of `kernelkit bench attention` (stand-in module: FA4 needs a GPU) ---
+
+def test_fa4_row_maps_kernelkit_arguments(monkeypatch):
+    import sys
+    import types
+
+    from kernelkit.ops import registry
+
+    calls = []
+    mod = types.ModuleType("flash_attn.cute")
+    mod.flash_attn_func = lambda q, k, v, **kw: (calls.append(("dense", kw)) or q, None)
+    mod.flash_attn_varlen_func = lambda q, k, v, **kw: (calls.append(("packed", kw)) or q, None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", mod)
+    run = registry.get("attention").competitors["fa4"]()
+    q = torch.randn(1, 4, 2, 8)
+    assert run(q, q, q, causal=True, window=3, scale=0.5) is q
+    assert calls[-1] == ("dense", dict(softmax_scale=0.5, causal=True, softcap=0.0, window_size=(3, 0),
+                                       deterministic=False))
+    run(q, q, q, window=3, softcap=2.0)  # without causal the window's right side is open
+    assert calls[-1][1]["window_size"] == (3, None) and calls[-1][1]["softcap"] == 2.0
+    run(q, q, q)
+    assert calls[-1][1]["window_size"] == (None, None)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    run(q[0], q[0], q[0], causal=True, cu_seqlens=cu, max_seqlen=3)
+    kind, kw = calls[-1]
+    assert kind == "packed" and kw["cu_seqlens_q"] is cu and kw["cu_seqlens_k"] is cu
+    assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 3
+    with pytest.raises(NotImplementedError):
+        run(q, q, q, return_lse=True)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # not installed: no row
+    assert registry.get("attention").competitors["fa4"]() is None

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ...roofline.model import Cost, dtype_key
 from .._dispatch import Op, reference_vjp
-from ..registry import OpSpec, register
+from ..registry import OpSpec, optional_import, register
 from .backward import attention_bwd
 from .forward import _validate_inputs, attention_fwd, lse_shape
 
@@ -272,6 +272,34 @@ def _flex_loader():
     return run
 
 
+def _fa4_loader():
+    """FlashAttention-4's CuTe-DSL kernels (`flash-attn-4`, where `flash_attn.cute` imports; they run on sm_90 and
+    sm_100), with kernelkit's masks mapped onto its arguments: causal bottom-right (flash-attn's convention, as
+    kernelkit's), window w as window_size (w, 0) with causal and (w, None) without, softcap, scale, packed
+    sequences through its varlen entry. None where it is not installed; no lse row (its packed lse layout
+    differs)."""
+    dense = optional_import("flash_attn.cute", "flash_attn_func")()
+    packed = optional_import("flash_attn.cute", "flash_attn_varlen_func")()
+    if dense is None or packed is None:
+        return None
+
+    def run(q, k, v, causal=False, window=None, softcap=None, cu_seqlens=None, max_seqlen=None, scale=None,
+            deterministic=False, return_lse=False):
+        if return_lse:
+            raise NotImplementedError("the fa4 row compares o only")
+        kw = dict(softmax_scale=scale, causal=bool(causal), softcap=float(softcap or 0.0),
+                  window_size=(None, None) if window is None else (window, 0 if causal else None),
+                  deterministic=deterministic)
+        if cu_seqlens is None:
+            out = dense(q, k, v, **kw)
+        else:
+            out = packed(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                         max_seqlen_k=max_seqlen, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 register(OpSpec(
     name="attention", fn=attention, reference=reference, cost=cost, make_inputs=make_inputs, grad_args=(0, 1, 2),
     test_shapes=[(1, 1, 2, 32), (2, 37, 2, 32, True), (1, 70, 3, 64), (2, 19, 4, 64, True), (2, 5, 4, 32, True, 23, 2),
@@ -283,7 +311,7 @@ register(OpSpec(
     latency_shapes=[(1, 1, 32, 128, False, 8192, 8), (16, 1, 32, 128, False, 4096, 8)],  # decoding, GQA 4:1
     dtypes=("bfloat16", "float16"), eager=_sdpa(), generic_rows=(), baseline="sdpa-cudnn",
     competitors={"sdpa-flash": _sdpa_loader("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_loader("CUDNN_ATTENTION"),
-                 "flex": _flex_loader, "kk-deterministic": _deterministic_loader},
+                 "flex": _flex_loader, "kk-deterministic": _deterministic_loader, "fa4": _fa4_loader},
     replaces=("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
               "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention"),
     doc="Flash attention fwd+bwd (b, s, h, d): causal (bottom-right), sliding window, softcap, GQA/MQA, "
