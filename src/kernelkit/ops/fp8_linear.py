@@ -40,6 +40,12 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     return fp8_device_unsupported(x)
 
 
+def takes_input(x: torch.Tensor) -> bool:
+    """Whether x (..., K) can be an fp8_linear operand whatever the weight (its dtype, K, its device): what a
+    producer of x checks before writing x's fp8 rows for the fp8 Linears that read it."""
+    return x.dtype in DTYPES and x.shape[-1] % ALIGN == 0 and fp8_device_unsupported(x) is None
+
+
 class QuantizedWeight:
     """The fp8 copies of one weight, kept while the weight is unchanged: its rows (the forward's operand) and
     its columns (the dgrad's). With gradient accumulation the weight is quantized once per optimizer step, not

@@ -21,11 +21,10 @@ from ..runtime import interpreting
 from ..ops import glu
 from . import choose
 from ..ops._validate import is_dtensor
-from ..ops.fp8_linear import ALIGN as FP8_ALIGN, DTYPES as FP8_DTYPES, SharedInputs, fp8_linear
+from ..ops.fp8_linear import SharedInputs, fp8_linear, takes_input as fp8_takes_input
 from ..ops.fp8_linear import unsupported as fp8_unsupported
 from ..ops.moe import moe_experts
 from ..ops.rms_norm import rms_norm, rms_norm_fp8
-from ..ops.scaled_matmul import fp8_device_unsupported
 from ..ops.rope import rope
 from .report import PatchReport
 
@@ -86,7 +85,7 @@ def _norm(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps
     shared = kk.fp8_shared
     if fp8 and shared is not None and kk.fp8_read is not False and not choose.measuring() and not shared.bypassed(x) \
-            and x.dtype in FP8_DTYPES and x.shape[-1] % FP8_ALIGN == 0 and fp8_device_unsupported(x) is None:
+            and fp8_takes_input(x):
         y, q, scale = rms_norm_fp8(x, self.weight, eps=eps, offset=kk.offset)
         shared.offer(y, q, scale, kk.fp8_rows_read)
         return y

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import cdiv, num_sms
+from .tiles import tma_compatible
 
 HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 BLOCK_M = 2 * HALF_M
@@ -321,11 +322,10 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """A (batch, seq, heads, d) tensor a 4-D descriptor reads in place: unit last stride, the others non-zero
-    and 16-byte multiples, a 16-byte aligned base."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s > 0 and (s * size) % 16 == 0 for s in t.stride()[:3]))
+    """A (batch, seq, heads, d) tensor a 4-D descriptor reads in place: what the Triton kernels' descriptors take
+    (`tiles.tma_compatible`), and a non-zero batch stride (here the batch is a descriptor dimension, not an offset
+    added to the base)."""
+    return tma_compatible((t,), False) and t.stride(0) > 0
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, causal: bool, window, softcap,
@@ -363,5 +363,5 @@ def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: i
     attn_fwd_hopper_kernel[grid](
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
         seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d],
-        OVERLAP=OVERLAP[d],
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        OVERLAP=OVERLAP[d], Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)
