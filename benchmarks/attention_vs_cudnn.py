@@ -19,7 +19,7 @@ import time
 import torch
 import triton
 
-from kernelkit.ops.attention import attention, cost, forward as fwd_mod
+from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod
 
 
 def rows():
@@ -47,7 +47,7 @@ def _kk(gluon: bool | None):
     from kernelkit.ops.attention import hopper
 
     def run(q, k, v, causal):
-        fwd_mod.GLUON = gluon is not False
+        fwd_mod.GLUON = bwd_mod.GLUON = gluon is not False
         old = dict(hopper.TRITON_UP_TO)
         if gluon:
             hopper.TRITON_UP_TO.clear()
@@ -64,7 +64,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
     from kernelkit.ops.attention import hopper
 
     def run(q, k, v, causal):
-        fwd_mod.GLUON = True
+        fwd_mod.GLUON = bwd_mod.GLUON = True
         old = dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO)
         hopper.TRITON_UP_TO.clear()
         if stages:

@@ -25,9 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import switches
 from ...runtime.alloc import empty
 from ...runtime import autotune, cdiv, interpreting, launch
 from .. import _validate
+try:  # Gluon ships with Triton >= 3.5; without it every call takes the Triton kernels
+    from . import hopper_bwd as _hopper_bwd
+except ImportError:
+    _hopper_bwd = None
 from .tiles import (LOG2E, NEG_INF, allowed, block_d, kv_block_range, load_tile, mma, row_strides, scores, seq_key,
                     sequence_bounds, store_tile, tile_configs, tile_source, use_tma)
 
@@ -36,6 +41,9 @@ ATOMIC_DQ = True
 # ... except from these sizes up, where the separate dq kernel measured faster on the H100.
 SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
+# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call, with dQ from the
+# Triton dQ kernel (no atomics); KERNELKIT_ATTENTION_GLUON_BWD=0 keeps the Triton dK / dV kernel.
+GLUON = switches.on("KERNELKIT_ATTENTION_GLUON_BWD")
 
 
 @triton.jit
@@ -307,8 +315,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
            *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
+    gluon = (GLUON and _hopper_bwd is not None and not interpreting()
+             and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
     tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)
-    separate_faster = d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K
+    separate_faster = gluon or (d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K)
     # Head dims over 128 never take the atomic path: its dq reduce hit an illegal address on the H100 at
     # d=256 (tests/test_attention.py::test_gpu_large_shapes, atomic only; the dq kernel passes).
     atomic = ATOMIC_DQ and not deterministic and not separate_faster and d <= 128
@@ -323,10 +333,13 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     dq_strides = row_strides(dq_acc, varlen) if atomic else (0, 0, 0)
     grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
     key = (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype)
-    launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
-           *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),
-           *row_strides(dk, varlen), *row_strides(dv, varlen), *dq_strides, *l_strides, *head, seq_key(hq // hk),
-           ATOMIC_DQ=atomic, DQ_TMA=atomic and tma and not interpreting(), **common)
+    if gluon:
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale)
+    else:
+        launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
+               *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),
+               *row_strides(dk, varlen), *row_strides(dv, varlen), *dq_strides, *l_strides, *head, seq_key(hq // hk),
+               ATOMIC_DQ=atomic, DQ_TMA=atomic and tma and not interpreting(), **common)
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     dq = empty(q.shape, dtype=q.dtype, device=q.device)

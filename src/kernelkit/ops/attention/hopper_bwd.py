@@ -1,0 +1,228 @@
+"""Attention backward's dK / dV on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
+
+A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
+streams (query, dO) tiles of 64 rows through a ring of STAGES slots with TMA: every query block of every query
+head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
+query block, runs on wgmma:
+
+    Sᵀ  = K Qᵀ                 (64 keys x 64 queries; both operands in shared memory)
+    Pᵀ  = exp2(Sᵀ·scale2 - lse2)   (lse2: the forward's lse in base 2, +inf for rows that saw no key)
+    dV += Pᵀ dO                (Pᵀ from registers)
+    dPᵀ = V dOᵀ
+    dSᵀ = Pᵀ (dPᵀ - delta)     (delta = rowsum(O dO), from the Triton preprocess kernel)
+    dK += dSᵀ Q                (dSᵀ from registers)
+
+then releases the slot. dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA
+stores. dQ is not computed here: the Triton dQ kernel (`backward.attn_bwd_dq_kernel`) recomputes P and dP per
+query block and owns its rows, so there are no atomics (the deterministic path).
+
+Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
+sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import hopper as _fwd
+
+HALF_N = 64  # keys per consumer warpgroup
+BLOCK_N = 2 * HALF_N
+BLOCK_M = 32  # queries per step: with 64, dK, dV (64 + 64 fp32 registers) and the 64 x 64 score tiles spilled
+STAGES = 2
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+POS_INF = gl.constexpr(float("inf"))
+
+
+@gluon.jit
+def _q_range(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query blocks (in units of BLOCK_M rows) that see keys n0 .. n0 + BLOCK_N: [lo, a) take the causal mask,
+    [a, hi) need none (rows past seqlen_q and keys past seqlen_k are zeros and add nothing that is stored)."""
+    shift = seqlen_k - seqlen_q
+    hi = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        lo = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, hi)
+        a = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M), lo), hi)
+    else:
+        lo = hi * 0
+        a = lo
+    return lo, a, hi
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, b, hk, n0,
+              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group."""
+    HALF: gl.constexpr = k_desc.block_type.shape[2]
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + i * HALF, 0], kv_bar,
+                                        k_bufs.index(i)._reinterpret(k_desc.dtype, k_desc.block_type.shape,
+                                                                     k_desc.layout))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + i * HALF, 0], kv_bar,
+                                        v_bufs.index(i)._reinterpret(v_desc.dtype, v_desc.block_type.shape,
+                                                                     v_desc.layout))
+    lo, _, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF)
+    c = gl.to_tensor(0)
+    for g in range(group):
+        h = hk * group + g
+        for mb in range(lo, hi):
+            slot = c % STAGES
+            mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, mb * BM, 0], bar,
+                                            q_bufs.index(slot)._reinterpret(q_desc.dtype, q_desc.block_type.shape,
+                                                                            q_desc.layout))
+            tma.async_copy_global_to_shared(do_desc, [b, h, mb * BM, 0], bar,
+                                            do_bufs.index(slot)._reinterpret(do_desc.dtype,
+                                                                             do_desc.block_type.shape,
+                                                                             do_desc.layout))
+            c += 1
+
+
+@gluon.jit
+def _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base, stride_lh,
+          seqlen_q, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """One query block for one warpgroup's 64 keys (the module docstring's five products)."""
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    s_layout: gl.constexpr = zero_s.type.layout
+    acc_layout: gl.constexpr = dk.type.layout
+    HALF_N: gl.constexpr = k.type.shape[0]
+    zero_s = gl.zeros([HALF_N, BM], gl.float32, layout=s_layout)  # made here: no registers held across steps
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    slot = c % STAGES
+    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+    q = q_bufs.index(slot)
+    do = do_bufs.index(slot)
+    s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))  # query positions (columns of Sᵀ)
+    l_off = l_base + h.to(gl.int64) * stride_lh
+    lse2 = gl.load(LSE2 + l_off + rows, mask=rows < seqlen_q, other=POS_INF)
+    s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+    if MASKED:  # a key right of a query's diagonal: its score is -inf, its probability 0
+        if CAUSAL:
+            s_t = gl.where(gl.expand_dims(keys - shift, 1) <= gl.expand_dims(rows, 0), s_t, float("-inf"))
+    p_t = gl.exp2(s_t * scale2 - gl.expand_dims(lse2, 0))
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(q_bufs.dtype), op_layout), do, dv, is_async=True)
+    dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    delta = gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0)  # loaded late: fewer live registers
+    dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dp_t))
+    dv, dp_t = dp_t
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_bufs.dtype), op_layout), q, dk, is_async=True)
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+    mbarrier.arrive(empty.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, stride_lb,
+              stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
+    HALF_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_D: gl.constexpr = k_bufs.type.shape[2]
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    zero_s = gl.zeros([HALF_N, BM], gl.float32, layout=s_layout)
+    dk = gl.zeros([HALF_N, HEAD_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_D], gl.float32, layout=acc_layout)
+    keys = n0 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    shift = seqlen_k - seqlen_q
+    lo, a, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF_N)
+    l_base = b.to(gl.int64) * stride_lb
+    k = k_bufs.index(HALF)
+    v = v_bufs.index(HALF)
+    mbarrier.wait(kv_bar, 0)
+    c = gl.to_tensor(0)
+    for g in range(group):
+        h = hk * group + g
+        for mb in range(lo, a):
+            dk, dv = _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base,
+                           stride_lh, seqlen_q, shift, scale2, True, CAUSAL, STAGES)
+            c += 1
+        for mb in range(a, hi):
+            dk, dv = _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base,
+                           stride_lh, seqlen_q, shift, scale2, False, CAUSAL, STAGES)
+            c += 1
+    # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
+    k.store((dk * scale).to(dk_desc.dtype))
+    v.store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0],
+                                    k._reinterpret(dk_desc.dtype, dk_desc.block_type.shape, dk_desc.layout))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0],
+                                    v._reinterpret(dv_desc.dtype, dv_desc.block_type.shape, dv_desc.layout))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, stride_lb,
+                                stride_lh, seqlen_q, seqlen_k, n_heads_k, group, scale, scale2,
+                                CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box."""
+    HALF: gl.constexpr = k_desc.block_type.shape[2]
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
+    n0 = gl.program_id(0) * (2 * HALF)
+    b = gl.program_id(1) // n_heads_k
+    hk = gl.program_id(1) % n_heads_k
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    # Integers equal to 1 arrive as constexprs: tensors, so every partition gets the same argument types.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    group = gl.to_tensor(group)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
+                                     DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
+                                     scale2, CAUSAL, STAGES, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
+                                     DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
+                                     scale2, CAUSAL, STAGES, 1)),
+                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
+                                     empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool) -> bool:
+    """The forward's scope, and dO, dK, dV that TMA can address."""
+    return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
+
+
+def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, stages: int = STAGES) -> None:
+    """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
+    (batch, heads_q, seq_q) fp32. `supports` checked by the caller."""
+    batch, seq_q, hq, d = q.shape
+    seq_k, hk = k.shape[1], k.shape[2]
+    rows = gl.NVMMASharedLayout.get_default_for([HALF_N, d], _fwd._GL[q.dtype])
+    grid = (-(-seq_k // BLOCK_N), batch * hk)
+    attn_bwd_dkdv_hopper_kernel[grid](
+        _fwd._desc(q, BLOCK_M), _fwd._desc(do, BLOCK_M), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
+        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, lse2.stride(0), lse2.stride(1), seq_q, seq_k,
+        hk, hq // hk, scale, scale * 1.4426950408889634, CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
