@@ -21,6 +21,8 @@ import triton
 
 from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod
 
+SHIPPED_BWD = bwd_mod.GLUON  # KERNELKIT_ATTENTION_GLUON_BWD (off by default)
+
 
 def rows():
     out = [dict(name=f"d{d} s{s}{' causal' if c else ''}", b=16384 // s, s=s, h=2048 // d, hk=2048 // d, d=d,
@@ -42,12 +44,13 @@ def _sdpa(backend):
 
 
 def _kk(gluon: bool | None):
-    """kernelkit's forward: the Gluon kernel forced (True), the Triton one (False), or as shipped (None: the Gluon
-    kernel where `hopper.preferred` says it measured faster)."""
+    """kernelkit: the Gluon kernels forced (True; forward and dK / dV), the Triton ones (False), or as shipped (None:
+    the Gluon forward where `hopper.preferred` says it measured faster, the backward as its switch says)."""
     from kernelkit.ops.attention import hopper
 
     def run(q, k, v, causal):
-        fwd_mod.GLUON = bwd_mod.GLUON = gluon is not False
+        fwd_mod.GLUON = gluon is not False
+        bwd_mod.GLUON = SHIPPED_BWD if gluon is None else gluon
         old = dict(hopper.TRITON_UP_TO)
         if gluon:
             hopper.TRITON_UP_TO.clear()

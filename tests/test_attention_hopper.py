@@ -267,6 +267,7 @@ def test_attention_bwd_routes_supported_calls_to_gluon(monkeypatch):
 
     calls = []
     monkeypatch.setattr(bwd_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(bwd_mod, "GLUON", True)  # off by default: the Triton dK / dV measured faster
     monkeypatch.setattr(hopper_bwd, "supports", lambda *a: True)
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda q, k, v, do, dk, dv, lse2, delta, causal, scale: calls.append(
         ("gluon", causal, scale)))
@@ -326,7 +327,10 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal):
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 def test_gpu_gluon_backward_matches_fp64_reference(case, monkeypatch):
     b, sq, sk, hq, hk, d, dtype, causal = case
+    from kernelkit.ops.attention import backward as bwd_mod
+
     calls = []
+    monkeypatch.setattr(bwd_mod, "GLUON", True)
     real = hopper_bwd.dkdv_hopper
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()

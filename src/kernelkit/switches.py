@@ -36,8 +36,9 @@ SWITCHES = {s.name: s for s in (
            "`0`: scaled_matmul's precise fp8 path uses the Triton kernel instead of the Gluon warp-specialized one"),
     Switch("KERNELKIT_ATTENTION_GLUON", "1", ("0", "1"), "import",
            "`0`: attention's forward on Hopper uses the Triton kernel instead of the Gluon warp-specialized one"),
-    Switch("KERNELKIT_ATTENTION_GLUON_BWD", "1", ("0", "1"), "import",
-           "`0`: attention's dK/dV on Hopper use the Triton kernel instead of the Gluon warp-specialized one"),
+    Switch("KERNELKIT_ATTENTION_GLUON_BWD", "0", ("0", "1"), "import",
+           "`1`: attention's dK/dV on Hopper use the Gluon warp-specialized kernel (measured slower than the Triton "
+           "one, docs/ops/attention.md)"),
     Switch("KERNELKIT_MOE_WGRAD", "grouped_mm", ("grouped_mm", "triton"), "import",
            "MoE bf16 weight gradients: torch's grouped GEMM (cuBLAS) or kernelkit's Triton kernel"),
     Switch("KERNELKIT_MOE_KEEP_SAVED", "0", ("0", "1"), "import",

@@ -1,7 +1,7 @@
 """Attention backward's dK / dV on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
 
 A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
-streams (query, dO) tiles of 64 rows through a ring of STAGES slots with TMA: every query block of every query
+streams (query, dO) tiles of BLOCK_M (32) rows through a ring of STAGES slots with TMA: every query block of every query
 head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
 query block, runs on wgmma:
 
@@ -15,6 +15,11 @@ query block, runs on wgmma:
 then releases the slot. dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA
 stores. dQ is not computed here: the Triton dQ kernel (`backward.attn_bwd_dq_kernel`) recomputes P and dP per
 query block and owns its rows, so there are no atomics (the deterministic path).
+
+Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on): on the H100 it measured 0.75-1.03x the Triton
+dK / dV path's backward (docs/ops/attention.md, 2026-11-26). It is correct (GPU tests against float64) and kept for
+the next step: 64-query tiles need dK / dV out of registers (FA3 keeps one of them in shared memory or splits
+the head dimension), and dQ by atomics would save the second pass over Q and dO.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
