@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernelkit.profile import trace as trace_mod
 from kernelkit.profile.findings import measured_overhead
-from kernelkit.profile.overhead import combine, measure_overhead
+from kernelkit.profile.overhead import combine, gpu_activity, measure_overhead, slower_in_graph
 
 # The profiled timeline of a step (analysis.overhead's figures), 348 kernels, 20% idle under the profiler.
 PROFILED = {"predicted": False, "wall_ms": 110.0, "busy_ms": 88.0, "idle_ms": 22.0, "idle_pct": 20.0,
@@ -41,6 +42,67 @@ def test_no_graph_method_says_why():
     assert "graphs could not be measured (graphed: RuntimeError: capture failed)" in measured_overhead(o)
 
 
+def _kernel(ts, dur, name="k", cat="kernel"):
+    return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name}
+
+
+def test_gpu_activity_counts_busy_time_once_and_gaps_between():
+    events = [_kernel(0, 10, "a"), _kernel(5, 10, "b"),  # overlapping: busy 15, not 20
+              _kernel(20, 5, "a"), _kernel(26, 2, "set", "gpu_memset"),
+              {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100, "name": "aten::mm"},  # host events do not count
+              {"ph": "i", "cat": "kernel", "ts": 50, "name": "instant"}]
+    got = gpu_activity(events, reps=2)
+    assert got["kernels"] == 2.0
+    assert got["busy_ms"] == pytest.approx(22 / 2 / 1e3)
+    assert got["gaps_ms"] == pytest.approx((28 - 22) / 2 / 1e3)
+    assert got["by_name"] == {"a": pytest.approx(15 / 2 / 1e3), "b": pytest.approx(10 / 2 / 1e3),
+                              "set": pytest.approx(2 / 2 / 1e3)}
+
+
+def test_slower_in_graph_needs_both_an_absolute_and_a_relative_change():
+    eager = {"cudnn_bprop": 4.3, "gemm": 20.0, "tiny": 0.01, "same": 1.0}
+    graphed = {"cudnn_bprop": 11.6, "gemm": 20.15, "tiny": 0.09, "same": 1.0, "new": 0.5}
+    got = slower_in_graph(eager, graphed)
+    assert [r["kernel"] for r in got] == ["cudnn_bprop", "new"]  # gemm: +0.15 ms but <10%; tiny: under 0.1 ms
+    assert got[0] == {"kernel": "cudnn_bprop", "eager_ms": 4.3, "graph_ms": 11.6}
+
+
+def test_projection_from_the_light_runs_gaps_and_the_saving_split():
+    # The H100 figures of the unpatched Llama-3.2-1B-shaped step (2026-11-26): 728 kernels, 2.06 ms of gaps; in
+    # the graph the gaps shrink to 0.64 ms but cuDNN's attention runs longer.
+    measured = {"plain_ms": 139.6, "graph_ms": 150.1, "graph_method": "torch.cuda.graph", "graph_errors": [],
+                "steps": 5, "light": {"kernels": 728.0, "busy_ms": 139.06, "gaps_ms": 2.06},
+                "graph_light": {"kernels": 755.0, "busy_ms": 149.88, "gaps_ms": 0.64},
+                "slower_in_graph": [{"kernel": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26",
+                                     "eager_ms": 4.26, "graph_ms": 11.59}]}
+    o = combine(PROFILED, measured)
+    assert o["unprofiled_idle_ms"] == pytest.approx(2.06)
+    assert o["projected_gain_ms"] == pytest.approx(2.06 - 0.728)
+    assert o["measured_gain_ms"] == pytest.approx(-10.5)
+    assert o["graph_gap_gain_ms"] == pytest.approx(1.42)
+    assert o["graph_kernel_delta_ms"] == pytest.approx(10.82)
+    text = measured_overhead(o)
+    assert "a saving of -10.5 ms/step" in text
+    assert "gaps between kernels -1.4 ms, the kernels' own time +10.8 ms inside the graph" in text
+    assert "slower captured than eager: cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f... 4.3 -> 11.6 ms" in text
+    assert "not worth graphs" in text
+
+
+def test_sustain_runs_for_the_time_asked_then_stops(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(trace_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(trace_mod.torch.cuda, "synchronize", lambda: None)
+    calls = []
+
+    def step(ms=90.0):
+        calls.append(1)
+        clock[0] += ms / 1e3
+    assert trace_mod.sustain(step, min_steps=1, seconds=1.0) == 12  # 11 x 90 ms < 1 s <= 12 x 90 ms
+    calls.clear()
+    assert trace_mod.sustain(lambda: step(1.0), min_steps=1, seconds=1.0) == trace_mod.SUSTAIN_MAX_STEPS
+    assert trace_mod.sustain(lambda: step(2000.0), min_steps=3, seconds=1.0) == 3
+
+
 class _Tiny(torch.nn.Module):
     """Many tiny kernels: a step that is launch-bound on any GPU."""
 
@@ -62,4 +124,6 @@ def test_graphs_are_measured_on_a_launch_bound_step():
     got = measure_overhead(model, (x,), backward=True, steps=5)
     assert got["graph_method"] == "torch.cuda.graph", got["graph_errors"]
     assert 0 < got["graph_ms"] < got["plain_ms"]
+    assert got["light"]["kernels"] >= 80 and got["light"]["gaps_ms"] > got["graph_light"]["gaps_ms"]
+    assert got["slower_in_graph"] == [] or all(r["graph_ms"] > r["eager_ms"] for r in got["slower_in_graph"])
     assert all(p.grad is None for p in model.parameters())  # the measurement leaves no gradients behind

@@ -82,6 +82,10 @@ def findings(rep: "Report", th: "Thresholds") -> list[str]:
     return out
 
 
+def _kernel_name(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
 def measured_overhead(o: dict) -> str:
     """The overhead finding in words, once `overhead.combine` has put the measured figures in."""
     text = (f"launch overhead: under the profiler the GPU idles between kernels for {o['idle_pct']:.0f}% of the "
@@ -92,8 +96,18 @@ def measured_overhead(o: dict) -> str:
     if "measured_gain_ms" in o:
         text += (f"; measured with {o['graph_method']}: {o['graph_ms']:.1f} ms, a saving of "
                  f"{o['measured_gain_ms']:.1f} ms/step ({o['measured_gain_pct']:.0f}%)")
+        if "graph_kernel_delta_ms" in o:
+            text += (f" (gaps between kernels {-o['graph_gap_gain_ms']:+.1f} ms, the kernels' own time "
+                     f"{o['graph_kernel_delta_ms']:+.1f} ms inside the graph")
+            slow = o.get("slower_in_graph") or []
+            if slow:
+                text += "; slower captured than eager: " + ", ".join(
+                    f"{_kernel_name(r['kernel'])} {r['eager_ms']:.1f} -> {r['graph_ms']:.1f} ms" for r in slow)
+            text += ")"
         if o["measured_gain_pct"] < 5.0:
-            text += " - not worth graphs for this step; the idle time the profiler shows is mostly its own"
+            text += " - not worth graphs for this step"
+            if o.get("profiler_ms", 0.0) > max(o.get("unprofiled_idle_ms", 0.0), 0.5):
+                text += "; the idle time the profiler shows is mostly its own"
     else:
         text += "; graphs could not be measured (" + "; ".join(o.get("graph_errors", [])) + ")"
     return text
