@@ -13,10 +13,11 @@ training loop), then times the same step three ways, each the median of several 
   `torch.compile(mode="reduce-overhead")`, which cuts the step into graphs around its breaks.
 
 The projection is the light run's gaps less GRAPH_GAP_US per kernel (what a graph keeps between kernels; about
-1.1 us measured on the H100). `combine` sets it beside the measured saving (plain - graphed) and splits that
-saving into the gaps the graph removed and any change of the kernels' own time inside the graph: cuDNN's
-attention, for one, ran 2.7x longer captured than eager on the H100 (torch 2.11), which no launch-overhead
-projection can foresee, so the finding names such kernels.
+1-1.7 us measured on the H100). `combine` sets it beside the measured saving (plain - graphed) and splits that
+saving into the gaps the graph removed and the change of the kernels' own time inside the graph. Two things no
+launch-overhead projection foresees show up there: a kernel that runs slower captured (cuDNN's attention ran
+2.7x longer in a graph than eager on the H100, torch 2.11: the finding names such kernels), and a GPU at its
+power cap, where the idle gaps a graph removes were paid back in clock.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def _graphed(model, inputs, backward: bool, steps: int) -> tuple[float, str, dic
         for _ in range(2):
             _run_step(model, inputs, backward)
     torch.cuda.current_stream().wait_stream(side)
+    # Gradients from the warm-up would turn the captured backward's writes into accumulations (one more kernel
+    # per parameter, ~3 ms at Llama-3-8B shapes): capture the step as the plain one runs it, from no gradients.
+    _zero_grad(model)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
@@ -183,6 +187,10 @@ def combine(profiled: dict, measured: dict) -> dict:
         o["measured_gain_pct"] = 100.0 * o["measured_gain_ms"] / plain if plain else 0.0
         graphed = measured.get("graph_light")
         if light and graphed:
-            o["graph_kernel_delta_ms"] = graphed["busy_ms"] - light["busy_ms"]  # the kernels' own time, graph - eager
+            # measured saving = gaps removed - what the kernels themselves took longer. The kernels' time is each
+            # timed step less its profiled gaps: under the profiler a graph's kernels run longer (CUPTI records
+            # each node: +5 ms over 400 kernels on the H100), so its busy time there overstates them.
             o["graph_gap_gain_ms"] = light["gaps_ms"] - graphed["gaps_ms"]
+            o["graph_kernel_delta_ms"] = ((measured["graph_ms"] - graphed["gaps_ms"])
+                                          - (plain - light["gaps_ms"]))
     return o
