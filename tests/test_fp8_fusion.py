@@ -360,3 +360,27 @@ def test_gpu_rms_norm_fp8_matches_the_quantize_rows_kernel(shape, dtype):
 @pytest.mark.gpu
 def test_gpu_patched_llama_fused_agrees_with_unfused(monkeypatch):
     test_patched_model_same_loss_and_grads_with_fewer_quantizations("cuda", monkeypatch)
+
+
+# --- what the backward keeps: x's fp8 columns, not x ---
+
+def _saved(y):
+    return y.grad_fn.next_functions[0][0].saved_tensors  # under the output's view: the fp8 Linear's node
+
+def test_the_forward_keeps_x_columns_in_fp8_not_x(device, counted):
+    w, = _linears(device, (32,))
+    x = torch.randn(12, 48).to(device, torch.bfloat16).requires_grad_()
+    y = fp8_linear(x, w)
+    saved = _saved(y)
+    assert counted["cols"] == 1  # made in the forward
+    assert [t.dtype for t in saved] == [torch.bfloat16, torch.float8_e4m3fn, torch.float32]
+    assert saved[0] is w or saved[0].shape == w.shape  # the weight (bf16), then x's columns and their scales
+    assert saved[1].shape == (48, 12) and saved[2].shape == (48,)
+    y.backward(torch.ones_like(y))
+    assert counted["cols"] == 2  # dy's columns in the backward, not x's again
+    frozen = w.detach()
+    counted.update(rows=0, cols=0)
+    z = fp8_linear(x, frozen)  # no weight gradient: no columns made or kept
+    assert counted["cols"] == 0 and [t.dtype for t in _saved(z)] == [torch.bfloat16]
+    z.backward(torch.ones_like(z))
+    assert x.grad is not None and counted["cols"] == 0

@@ -8,9 +8,12 @@ back (`scaled_matmul`'s rowwise recipe, fp32 accumulation, one rounding to the o
     dgrad    dx = dy @ w        dy per token (row of dy),     w per input channel (column of w)
     wgrad    dw = dy.T @ x      dy per output channel (column of dy), x per input channel (column of x)
 
-The master weight, the saved activation and every gradient stay in the input's dtype (bf16 or fp16): the
-backward quantizes from them again (the transposed quantizations read columns, `quantize_cols_t`). The bias
-is added in fp32 in the forward GEMM's epilogue; its gradient is dy's column sum.
+The master weight and every gradient stay in the input's dtype (bf16 or fp16). The activation is not kept in
+it: where the weight needs a gradient, the forward quantizes x's columns for the wgrad at once (`quantize_cols_t`,
+the transposed quantization the backward would make from x: the same bytes) and keeps those, 1 byte per element
+instead of 2. x itself can then be freed after the forward unless another op keeps it (the norm's output before
+q/k/v and gate/up, SwiGLU's before down_proj: 0.5 GiB at Llama-3.2-1B shapes). The backward quantizes dy and the
+weight's columns. The bias is added in fp32 in the forward GEMM's epilogue; its gradient is dy's column sum.
 
 On a GPU without fp8 tensor cores (compute capability below 8.9) `fp8_linear` raises; `kernelkit.patch(model,
 precision="fp8")` checks first and keeps such layers in their dtype (its report says why). In the Triton
@@ -80,26 +83,22 @@ def _weight(kind, weight, cache, quantize):
 class SharedInput:
     """One input tensor's fp8 quantizations, shared by the fp8 Linears that read it: its rows (the forward's
     operand, made by the first reader or handed in by the op that produced the tensor) and its transposed
-    columns (the wgrad's, made by the first backward that needs them). The readers' autograd contexts hold this
-    object, not a table: the columns are dropped when the last reader's backward has taken them, and everything
-    with the graph."""
+    columns (the wgrad's, made by the first reader whose weight needs a gradient). Both are held while the tensor
+    is the kept one; each reader's autograd context saves the columns it needs, so they live as long as a
+    backward can read them."""
 
-    __slots__ = ("owner", "rows", "cols", "readers", "taken", "origin", "hits")
+    __slots__ = ("owner", "rows", "cols", "readers", "origin", "hits")
 
     def __init__(self, owner, rows=None, origin=None):
         self.owner, self.rows, self.cols, self.origin = owner, rows, None, origin
-        self.readers = self.taken = self.hits = 0  # backwards that will need cols / have taken them; rows reused
+        self.readers = self.hits = 0  # readers that took the columns / the rows made before them
 
     def cols_t(self, x: torch.Tensor):
-        """quantize_cols_t(x), made once for all the readers' backwards (each x is the same, unchanged: autograd
-        checks each saved input's version)."""
-        cols = self.cols if self.cols is not None else quantize_cols_t(x)
-        self.taken += 1
-        if self.taken >= self.readers:  # the last reader: drop it (a second backward over a kept graph remakes it)
-            self.cols, self.taken = None, 0
-        else:
-            self.cols = cols
-        return cols
+        """quantize_cols_t(x), made once for all the readers (x is the same bytes for each: the key says so)."""
+        if self.cols is None:
+            self.cols = quantize_cols_t(x)
+        self.readers += 1
+        return self.cols
 
 
 class SharedInputs:
@@ -129,7 +128,7 @@ class SharedInputs:
     def _keep(self, x, entry):
         old = self._kept
         if old is not None:
-            old[2].rows = None
+            old[2].rows = old[2].cols = None  # the readers' contexts keep the columns they need
             if old[2].origin is not None:  # tell the producer whether its rows were read (see offer)
                 old[2].origin(old[2].hits > 0)
         self._kept = None if x is None else (x, self._key(x), entry)
@@ -174,16 +173,17 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             shared.hits += 1
         wq, sw = _weight("rows", weight, cache, quantize_rows)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.cache = bias is not None, cache
-        ctx.shared = shared if shared is not None and ctx.needs_input_grad[1] else None
-        if ctx.shared is not None:
-            shared.readers += 1
+        if ctx.needs_input_grad[1]:  # the wgrad's operand now, instead of x (module docstring)
+            xtq, sxt = quantize_cols_t(x) if shared is None else shared.cols_t(x)
+            ctx.save_for_backward(weight, xtq, sxt)
+        else:
+            ctx.save_for_backward(weight)
+        ctx.has_bias, ctx.cache, ctx.shared = bias is not None, cache, shared
         return _gemm(*rows, wq, sw, bias, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        weight, *x_cols = ctx.saved_tensors
         dy = dy.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -192,11 +192,10 @@ class _Fp8Linear(torch.autograd.Function):
             dx = _gemm(gq, sg, wtq, swt, None, dy.dtype)
         if ctx.needs_input_grad[1]:
             gtq, sgt = quantize_cols_t(dy)  # (N, T) per output channel
-            shared = ctx.shared
-            if shared is not None:
-                shared.owner.clear()  # the forward is over: its last kept input is not read again
-            xtq, sxt = quantize_cols_t(x) if shared is None else shared.cols_t(x)  # (K, T) per input channel
+            xtq, sxt = x_cols  # (K, T) per input channel, made in the forward
             dw = _gemm(gtq, sgt, xtq, sxt, None, weight.dtype)
+        if ctx.shared is not None:
+            ctx.shared.owner.clear()  # the forward is over: its last kept input is not read again
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(dy.dtype)
         return dx, dw, db, None, None
