@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernelkit.ops import fp8_linear as F8
+from kernelkit.ops import glu as GLU
 from kernelkit.ops import rms_norm as RN
 from kernelkit.ops.fp8_linear import SharedInputs, fp8_linear
 from kernelkit.ops.gemm.fp8 import quantize_rows_reference
@@ -91,6 +92,84 @@ def test_rms_norm_fp8_backward_is_rms_norms(device):
     a = x.clone().requires_grad_()
     y, q, s = RN.rms_norm_fp8(a, w)
     assert y.requires_grad and not q.requires_grad and not s.requires_grad
+
+
+# --- swiglu_fp8: SwiGLU writing its output's fp8 rows (the down projection's operand) ---
+
+def _gate_up(shape, dtype, layout, seed=0):
+    """(gate, up) with a zero row and a NaN, as two tensors (`separate`), one (..., 2H) tensor (`fused`, up None),
+    or two row-strided offset views into a NaN-filled buffer (`offset`)."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = ((torch.randn(shape, generator=g) * 4).to(dtype) for _ in range(2))
+    gate.view(-1, shape[-1])[0] = 0
+    if gate.numel() // shape[-1] > 2:
+        up.view(-1, shape[-1])[1, shape[-1] // 2] = float("nan")
+    if layout == "fused":
+        return torch.cat([gate, up], dim=-1), None
+    if layout == "offset":
+        n, rows = shape[-1], gate.numel() // shape[-1]
+        buf = torch.full((rows, 2 * n + 7), float("nan"), dtype=dtype)
+        buf[:, 1:1 + n], buf[:, 2 + n:2 + 2 * n] = gate.reshape(rows, n), up.reshape(rows, n)
+        return buf[:, 1:1 + n].reshape(shape), buf[:, 2 + n:2 + 2 * n].reshape(shape)
+    return gate, up
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (3, 7), (37, 1000), (2, 3, 129)])
+@pytest.mark.parametrize("layout", ["separate", "fused", "offset"])
+def test_swiglu_fp8_rows_are_quantize_rows_of_its_output(device, dtype, shape, layout):
+    if layout != "separate" and (shape[-1] > 200 or dtype == torch.float16):
+        pytest.skip("layouts: the short rows in bf16 and fp32 are enough")
+    if shape == (37, 1000) and dtype != torch.bfloat16:
+        pytest.skip("the many-row case: bf16 is enough (the interpreter is slow)")
+    gate, up = (t.to(device) if t is not None else None for t in _gate_up(shape, dtype, layout))
+    with poisoned_outputs():
+        h, q, s = GLU.swiglu_fp8(gate, up)
+    torch.testing.assert_close(h, GLU.swiglu(gate, up), rtol=0, atol=0, equal_nan=True)  # h as swiglu's
+    assert h.shape == (*shape[:-1], shape[-1])
+    _same_rows(q, s, h)
+
+
+def test_swiglu_fp8_past_one_program_quantizes_separately(device, monkeypatch):
+    monkeypatch.setattr(GLU, "FP8_MAX_N", 64)
+    gate, up = (t.to(device) for t in _gate_up((5, 129), torch.bfloat16, "separate"))
+    h, q, s = GLU.swiglu_fp8(gate, up)
+    torch.testing.assert_close(h, GLU.swiglu(gate, up), rtol=0, atol=0, equal_nan=True)
+    _same_rows(q, s, h)
+    h0, q0, s0 = GLU.swiglu_fp8(gate[:0], up[:0])
+    assert h0.shape == q0.shape == (0, 129) and s0.shape == (0,)
+    with pytest.raises(ValueError, match="up must have gate's shape"):
+        GLU.swiglu_fp8(gate, up[:, :128])
+
+
+def test_swiglu_fp8_backward_is_swiglus(device):
+    g = torch.Generator().manual_seed(3)
+    gate, up, dh = (torch.randn(2, 5, 48, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    grads = []
+    for fn in (lambda a, b: GLU.swiglu_fp8(a, b)[0], GLU.swiglu):
+        a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        h = fn(a, b)
+        h.backward(dh)
+        grads.append((h.detach(), a.grad, b.grad))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+    h, q, s = GLU.swiglu_fp8(gate.clone().requires_grad_(), up)
+    assert h.requires_grad and not q.requires_grad and not s.requires_grad
+
+
+def test_swiglu_fp8_compiles_for_sm90(device):
+    from tests.conftest import INTERPRET
+    from kernelkit.testing import compile_check
+
+    if not INTERPRET:
+        pytest.skip("records launches through the Triton interpreter")
+    records = []
+    with compile_check.record_launches(records):
+        for dtype, n in ((torch.bfloat16, 8192), (torch.bfloat16, 14336), (torch.float16, 100)):
+            GLU.swiglu_fp8(torch.randn(2, n).to(dtype), torch.randn(2, n).to(dtype))
+    records = [r for r in compile_check.unique(records) if r["kernel"].endswith("swiglu_fp8_kernel")]
+    assert len(records) == 3
+    assert not compile_check.compile_in_subprocess(records)
 
 
 # --- SharedInputs: one tensor read by several fp8 Linears ---
@@ -239,13 +318,13 @@ def _patched_step(monkeypatch, device, fuse: str, family="llama"):
     modules = sys.modules["kernelkit.patch.modules"]
     monkeypatch.setenv("KERNELKIT_FP8_FUSE", fuse)
     monkeypatch.setenv("KERNELKIT_PATCH_CHOICE", "kernelkit")  # the undo below drops conftest's setting too
-    calls = {"rows": 0, "cols": 0, "norm_fp8": 0}
+    calls = {"rows": 0, "cols": 0, "norm_fp8": 0, "swiglu_fp8": 0}
     for mod, name, kind in ((F8, "quantize_rows", "rows"), (F8, "quantize_cols_t", "cols"),
-                            (modules, "rms_norm_fp8", "norm_fp8")):
+                            (modules, "rms_norm_fp8", "norm_fp8"), (modules.glu, "swiglu_fp8", "swiglu_fp8")):
         real = getattr(mod, name)
 
         def wrapped(t, *a, real=real, kind=kind, **k):
-            calls[kind] += kind == "norm_fp8" or t.shape[0] == 16  # activations and gradients: 2 x 8 tokens
+            calls[kind] += kind.endswith("_fp8") or t.shape[0] == 16  # activations and gradients: 2 x 8 tokens
             return real(t, *a, **k)
 
         monkeypatch.setattr(mod, name, wrapped)
@@ -271,11 +350,13 @@ def test_patched_model_same_loss_and_grads_with_fewer_quantizations(device, monk
         assert abs(loss.item() - loss0.item()) <= 1e-3 * abs(loss0.item())
         assert all((grads[n] - grads0[n]).float().norm() <= 2e-2 * grads0[n].float().norm() + 1e-6 for n in grads0)
     # per layer: 7 Linears. Unfused, each quantizes its x and dy rows, and its dy and x columns.
-    assert calls0 == {"rows": 14, "cols": 14, "norm_fp8": 0}
-    # fused: the two norms write q/k/v's and gate/up's rows; o and down quantize theirs. x columns: one per input.
-    assert calls == {"rows": 7 + 2, "cols": 7 + 4, "norm_fp8": 2}
+    assert calls0 == {"rows": 14, "cols": 14, "norm_fp8": 0, "swiglu_fp8": 0}
+    # fused: the two norms write q/k/v's and gate/up's rows, the SwiGLU down's; o quantizes its own. x columns: one
+    # per input.
+    assert calls == {"rows": 7 + 1, "cols": 7 + 4, "norm_fp8": 2, "swiglu_fp8": 1}
     layer = model.model.layers[0]
     assert layer.input_layernorm._kernelkit.fp8_read and layer.post_attention_layernorm._kernelkit.fp8_read
+    assert layer.mlp._kernelkit.fp8_read
     assert "quantize it once" in str(report.notes) and "KERNELKIT_FP8_FUSE=0" in str(report0.notes)
     assert model.model.norm._kernelkit.fp8_shared is None  # the final norm feeds the LM head, not the layers'
 
@@ -355,6 +436,24 @@ def test_gpu_rms_norm_fp8_matches_the_quantize_rows_kernel(shape, dtype):
     nan = torch.isnan(qk.float())
     assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
     _same_rows(q, s, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16384, 8192), (37, 14336), (3, 4111), (2, 20000)])
+def test_gpu_swiglu_fp8_matches_the_quantize_rows_kernel(shape, dtype):
+    # The 1B and 8B MLP widths, a row off every power of two, and one past FP8_MAX_N (the separate quantizer).
+    from kernelkit.ops.gemm.fp8 import quantize_rows
+
+    gate, up = (t.cuda() for t in _gate_up(shape, dtype, "separate"))
+    with poisoned_outputs():
+        h, q, s = GLU.swiglu_fp8(gate, up)
+    assert torch.equal(h.view(torch.int16), GLU.swiglu(gate, up).view(torch.int16))
+    qk, sk = quantize_rows(h)
+    torch.testing.assert_close(s, sk, rtol=0, atol=0, equal_nan=True)
+    nan = torch.isnan(qk.float())
+    assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
+    _same_rows(q, s, h)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,9 @@ backward reads gate, up and dout and writes dgate and dup, recomputing the activ
 saving it (saving would cost a write and a read of one more tensor). Gate and up come as two tensors
 or as one (..., 2H) tensor with gate in the first half, as fused gate-up projections produce.
 
+`swiglu_fp8` also writes the output's float8_e4m3fn rows and row scales in the same pass (the operand of an fp8
+down projection, bit for bit `quantize_rows` of the output): one row per program, in registers.
+
 Contiguous inputs run a flat 1-D grid: each program streams one run of consecutive elements, so the
 GPU walks memory in order, without the partial blocks that row tails of a (row, column block) grid
 leave. Strided rows (the two halves of a gate-up tensor) take row x column tiles.
@@ -23,6 +26,7 @@ from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, launch, next_pow2
 from . import _validate
+from .gemm.fp8 import e4m3_bits, fp8_clamp, fp8_scale, max_nan, quantize_rows
 from ._dispatch import Op, reference_vjp
 from .registry import OpSpec, optional_import, register
 
@@ -36,6 +40,9 @@ INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
 INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 # Widest column block of the strided (gate-up halves) layout: 2 KiB of 16-bit data per row segment.
 MAX_BLOCK_H = 1024
+# Widest row swiglu_fp8 holds in one program (Llama-3-8B's MLP is 14336 wide); wider rows take swiglu, then
+# quantize_rows.
+FP8_MAX_N = 16384
 
 
 @triton.jit
@@ -118,6 +125,25 @@ def glu_bwd_kernel(DO, G, U, DG, DU, stride_do, stride_g, stride_u, stride_dg, s
     tl.store(DU + offs_du, (do * a).to(DU.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def swiglu_fp8_kernel(G, U, H, Q, S, stride_g, stride_u, stride_h, stride_q, N, tiny, BLOCK_N: tl.constexpr):
+    """One row per program: h = silu(g) * u rounded to H's dtype and stored, then the e4m3 bits of that rounded row
+    and its scale (quantize_rows(h) bit for bit: the same scale and clamp) without reading h back. Padding
+    columns load g = u = 0, so h = 0 there and cannot raise the amax."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_grad(g, 0, False)
+    h = (a * u).to(H.dtype.element_ty)
+    tl.store(H + row * stride_h + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    scale = fp8_scale(tl.reduce(tl.abs(hf), 0, max_nan), tiny, H.dtype.element_ty)
+    tl.store(Q + row * stride_q + cols, e4m3_bits(fp8_clamp(hf, scale)), mask=mask)
+    tl.store(S + row, scale)
+
+
 def _rows(gate: torch.Tensor, up: torch.Tensor | None, h: int):
     """(rows, H) views of gate and up with a unit stride along H (the two halves of a gate-up tensor)."""
     if up is None:
@@ -140,8 +166,8 @@ def _launch(kernel, key: tuple, tensors: list, rows: int, h: int, act: int) -> N
     launch(kernel, grid, (n, act, flat, *key), *tensors, *strides, m, n, ACT=act, FLAT=flat, BLOCK_H=block_h)
 
 
-def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
-    """Validate the inputs and launch the forward: act(gate) * up of shape (..., H) in gate's dtype."""
+def _width(gate: torch.Tensor, up: torch.Tensor | None) -> int:
+    """Validate gate and up; H, the output's width."""
     _validate.tensor(gate, "gate", min_dim=1)
     if up is None:
         if gate.shape[-1] % 2:
@@ -155,6 +181,12 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tens
         if up.dtype != gate.dtype:
             raise TypeError(f"up has dtype {up.dtype} but gate has {gate.dtype}; use one dtype")
         h = gate.shape[-1]
+    return h
+
+
+def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    """Validate the inputs and launch the forward: act(gate) * up of shape (..., H) in gate's dtype."""
+    h = _width(gate, up)
     out = empty((*gate.shape[:-1], h), dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
@@ -166,6 +198,24 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tens
 # The custom ops' schemas: one launcher per public op, the activation fixed or named as in F.gelu.
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     return glu_fwd(gate, up, SILU)
+
+
+def swiglu_fp8_fwd(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_fp8's launcher, (h, q, scale); its signature is the schema of kernelkit::swiglu_fp8."""
+    h = _width(gate, up)
+    if h > FP8_MAX_N or gate.numel() == 0:
+        out = glu_fwd(gate, up, SILU)  # rows past one program: the two-pass pair
+        return (out, *quantize_rows(out))
+    out = empty((*gate.shape[:-1], h), dtype=gate.dtype, device=gate.device)
+    q = empty(out.shape, dtype=torch.float8_e4m3fn, device=gate.device)
+    scale = empty(out.shape[:-1], dtype=torch.float32, device=gate.device)
+    g2, u2 = _rows(gate, up, h)
+    o2, q2 = out.view(-1, h), q.view(torch.uint8).view(-1, h)  # q as bytes: the kernel writes e4m3 bits
+    block = next_pow2(h)
+    launch(swiglu_fp8_kernel, (g2.shape[0],), None, g2, u2, o2, q2, scale, g2.stride(0), u2.stride(0), o2.stride(0),
+           q2.stride(0), h, torch.finfo(gate.dtype).tiny, BLOCK_N=block,
+           num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    return out, q, scale
 
 
 def geglu_fwd(gate: torch.Tensor, up: torch.Tensor | None, approximate: str) -> torch.Tensor:
@@ -228,6 +278,29 @@ SWIGLU = Op("swiglu", swiglu_fwd, **_GLU)
 GEGLU = Op("geglu", geglu_fwd, **_GLU)
 
 
+def _fp8_fake(gate, up):
+    out = _fake(gate, up)
+    return out, out.new_empty(out.shape, dtype=torch.float8_e4m3fn), out.new_empty(out.shape[:-1], dtype=torch.float32)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _fp8_backward(ctx, kernels, dout, _dq=None, _dscale=None):
+    return _backward(ctx, kernels, dout)
+
+
+def _fp8_double_backward(ctx, dout, _dq=None, _dscale=None):
+    return _double_backward(ctx, dout)
+
+
+SWIGLU_FP8 = Op("swiglu_fp8", swiglu_fp8_fwd, fake=_fp8_fake, setup_context=_fp8_setup_context,
+                backward=_fp8_backward, bwd=glu_bwd, bwd_fake=_bwd_fake, double_backward=_fp8_double_backward,
+                n_grad=2)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up``, the SwiGLU of Llama-style MLPs.
 
@@ -238,6 +311,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     concatenated layout it returns one (..., 2H) gradient.
     """
     return SWIGLU(gate, up)
+
+
+def swiglu_fp8(gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu` that also writes its output's float8_e4m3fn rows in the same pass: (h, q, scale), h as `swiglu`
+    gives it, q (h.shape, e4m3) and scale (h.shape[:-1], fp32) equal to ``quantize_rows(h)`` bit for bit. What
+    an fp8 down projection reading h would quantize, written while h is still in registers (one byte more per
+    element instead of a second read of h and a launch). Rows wider than FP8_MAX_N take `swiglu` then
+    `quantize_rows`. q and scale carry no gradient; h's backward is `swiglu`'s."""
+    return SWIGLU_FP8(gate, up)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:

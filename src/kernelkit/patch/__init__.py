@@ -208,7 +208,7 @@ def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> N
     "auto") or everywhere ("kernelkit"); the embeddings keep their dtype, and the LM head too unless the fused loss
     runs it in fp8 (`lm_head`). Unless KERNELKIT_FP8_FUSE=0, Linears reading one tensor (q/k/v, gate/up) share its
     quantizations (`SharedInputs`), and the layers' patched RMSNorms write their output's fp8 rows in their pass."""
-    from .modules import Fp8Settings, NormSettings, fp8_linear_forward, fp8_site
+    from .modules import Fp8Producer, Fp8Settings, fp8_linear_forward, fp8_site
 
     layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -222,9 +222,10 @@ def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> N
                 _bind(undo, m, fp8_linear_forward,
                       Fp8Settings(report, QuantizedWeight() if keep else None, token, shared))
                 done += 1
-            elif shared is not None and isinstance(vars(m).get("_kernelkit"), NormSettings):
-                undo.set(m._kernelkit, "fp8_shared", shared)
-                fused += 1
+            elif shared is not None and isinstance(vars(m).get("_kernelkit"), Fp8Producer):
+                if m._kernelkit.can_write_fp8():  # a patched RMSNorm, or a patched MLP's SwiGLU
+                    undo.set(m._kernelkit, "fp8_shared", shared)
+                    fused += 1
     report.add("fp8", "nn.Linear in decoder layers", "kernelkit.fp8_linear (e4m3, rowwise scales, fwd + both bwd GEMMs)",
                done)
     if done:
@@ -233,8 +234,8 @@ def _patch_fp8(model, report, undo, keep: bool, lm_head: bool, modes: dict) -> N
         report.note("precision='fp8': the decoder layers' Linear GEMMs run in fp8 (bf16/fp16 masters and gradients); "
                     f"the embeddings stay in the model's dtype; {head}")
         report.note("precision='fp8': " + ("Linears reading one input quantize it once (rows and columns), and "
-                                           f"{fused} RMSNorm(s) in the layers write their output's fp8 rows in their "
-                                           "pass" if shared is not None else
+                                           f"{fused} RMSNorm(s) and SwiGLU(s) in the layers write their output's fp8 "
+                                           "rows in their pass" if shared is not None else
                                            "KERNELKIT_FP8_FUSE=0: each Linear quantizes its own input"))
 
 

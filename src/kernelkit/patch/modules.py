@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -44,22 +44,38 @@ def any_dtensor(*tensors) -> bool:
     return any(is_dtensor(t) for t in tensors)
 
 
-# --- RMSNorm ---
+# --- producers of an fp8 Linear's input (precision="fp8"): the RMSNorm before q/k/v and gate/up, the SwiGLU ---
 
 @dataclass
-class NormSettings:
-    offset: float
-    eps_attr: str
-    report: PatchReport
-    token: int | None = None  # the choose.Site deciding kernelkit or the original (one per class per patch)
-    # precision="fp8": the model's SharedInputs, to which this norm hands its output's fp8 rows (`_norm`), and
-    # whether fp8 Linears read them (None until the first output is replaced; False stops writing them)
-    fp8_shared: SharedInputs | None = None
-    fp8_read: bool | None = None
+class Fp8Producer:
+    """precision="fp8": the model's SharedInputs, to which the module hands its output's fp8 rows, and whether fp8
+    Linears read them (None until the first output is replaced; False stops writing them)."""
+    fp8_shared: SharedInputs | None = field(default=None, kw_only=True)
+    fp8_read: bool | None = field(default=None, kw_only=True)
 
     def fp8_rows_read(self, read: bool) -> None:
         if self.fp8_read is None:
             self.fp8_read = read
+
+    def can_write_fp8(self) -> bool:
+        """Whether this module has an fp8-writing kernel (every RMSNorm; of the GLUs, SwiGLU)."""
+        return True
+
+    def writes_fp8(self, x: torch.Tensor) -> bool:
+        """Whether this call should also write its output's fp8 rows (x: a tensor of the output's dtype and width)."""
+        shared = self.fp8_shared
+        return (shared is not None and self.fp8_read is not False and not choose.measuring()
+                and not shared.bypassed(x) and fp8_takes_input(x))
+
+
+# --- RMSNorm ---
+
+@dataclass
+class NormSettings(Fp8Producer):
+    offset: float
+    eps_attr: str
+    report: PatchReport
+    token: int | None = None  # the choose.Site deciding kernelkit or the original (one per class per patch)
 
 
 def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +99,9 @@ def _norm(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     eps = getattr(self, kk.eps_attr)
     if eps is None:  # torch.nn.RMSNorm's default
         eps = torch.finfo(x.dtype).eps
-    shared = kk.fp8_shared
-    if fp8 and shared is not None and kk.fp8_read is not False and not choose.measuring() and not shared.bypassed(x) \
-            and fp8_takes_input(x):
+    if fp8 and kk.writes_fp8(x):
         y, q, scale = rms_norm_fp8(x, self.weight, eps=eps, offset=kk.offset)
-        shared.offer(y, q, scale, kk.fp8_rows_read)
+        kk.fp8_shared.offer(y, q, scale, kk.fp8_rows_read)
         return y
     return rms_norm(x, self.weight, eps=eps, offset=kk.offset)
 
@@ -122,12 +136,15 @@ def norm_settings(module: torch.nn.Module, offset: float, report: PatchReport) -
 # --- gated MLP ---
 
 @dataclass
-class MLPSettings:
+class MLPSettings(Fp8Producer):
     glu: Callable
     glu_kwargs: dict
     fused: bool  # gate_up_proj with the gate in the first half (Phi-3) instead of gate_proj + up_proj
     report: PatchReport
     token: int | None = None  # the choose.Site deciding kernelkit or the original
+
+    def can_write_fp8(self) -> bool:
+        return self.glu is glu.swiglu
 
     def describe(self) -> str:
         args = ["gate_up" if self.fused else "gate, up"] + [f"{k}={v!r}" for k, v in self.glu_kwargs.items()]
@@ -149,10 +166,15 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    """down(glu(gate, up)); with precision="fp8" (fp8_shared set, SwiGLU), the SwiGLU also writes its output's fp8
+    rows for the fp8 down projection (`glu.swiglu_fp8`), until it is seen that it does not read them."""
     kk: MLPSettings = self._kernelkit
-    if kk.fused:
-        return self.down_proj(kk.glu(self.gate_up_proj(x), None, **kk.glu_kwargs))
-    return self.down_proj(kk.glu(self.gate_proj(x), self.up_proj(x), **kk.glu_kwargs))
+    gate, up = (self.gate_up_proj(x), None) if kk.fused else (self.gate_proj(x), self.up_proj(x))
+    if kk.glu is glu.swiglu and kk.writes_fp8(gate if up is not None else gate[..., : gate.shape[-1] // 2]):
+        h, q, scale = glu.swiglu_fp8(gate, up)
+        kk.fp8_shared.offer(h, q, scale, kk.fp8_rows_read)
+        return self.down_proj(h)
+    return self.down_proj(kk.glu(gate, up, **kk.glu_kwargs))
 
 
 def _mlp_trial(module, key) -> choose.Trial:
