@@ -1,13 +1,16 @@
 """The fp8 Linears' input quantization done once (issue 30 item 2), measured on the GPU.
 
-    PYTHONPATH=src python benchmarks/fp8_fusion.py --out fp8_fusion.json [--part norm|step|all] [--steps 5]
+    PYTHONPATH=src python benchmarks/fp8_fusion.py --out fp8_fusion.json [--part norm|swiglu|step|all] [--steps 5]
 
 (a) `norm`: RMSNorm writing its output's e4m3 rows in its pass (`rms_norm_fp8`) against the pair it replaces
     (`rms_norm`, then `quantize_rows` of its output), `rms_norm` alone (the bf16 path's norm), and torch.compile of
     the torch definitions of the pair (inductor fuses what it can); forward only, triton.testing.do_bench medians
     (L2 flushed), GB/s of the ideal bytes of the fused op (x and w read once, y, q and the row scales written once)
     and % of the copy ceiling (measured with --measure-ceiling, else the datasheet's).
-(b) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
+(b) `swiglu`: SwiGLU writing its output's e4m3 rows (`swiglu_fp8`, the down projection's operand) against
+    `swiglu` then `quantize_rows`, `swiglu` alone and torch.compile of the torch pair; ideal bytes: gate and up
+    read, h, q and the row scales written.
+(c) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
     with precision="fp8", eager and + torch.compile, with the sharing and the fused norm (KERNELKIT_FP8_FUSE=1)
     and without (=0): ms per step, kernels per step and the quantization kernels' ms (torch.profiler over two
     steps), peak memory and the loss. Every switch is forced to kernelkit (KERNELKIT_PATCH_CHOICE=kernelkit) so
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 NORM_SHAPES = ((8192, 4096), (16384, 4096), (16384, 2048))  # tokens x hidden: the 8B and 1B steps' norms
+SWIGLU_SHAPES = ((8192, 14336), (16384, 8192))  # tokens x MLP width: the 8B and 1B steps' SwiGLUs
 STEP_ROWS = (("kernelkit-fp8", "1"), ("kernelkit-fp8", "0"), ("kernelkit-fp8+compile", "1"),
              ("kernelkit-fp8+compile", "0"))
 
@@ -40,22 +44,48 @@ def _env():
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
 
 
+def _copy_ceiling(measure_ceiling: bool):
+    import torch
+    from kernelkit.hw.ceilings import ceilings_for
+    from kernelkit.hw.specs import lookup
+
+    if measure_ceiling:
+        return ceilings_for()[0].copy_gbps, "measured copy"
+    spec = lookup(torch.cuda.get_device_name())
+    return (spec.mem_gbps if spec else float("nan")), "datasheet HBM"
+
+
+def _time_paths(row: dict, paths: dict, fused: str, pair: str, progress) -> dict:
+    """do_bench medians of each path into row (ms, GB/s of the fused op's ideal bytes, % of the ceiling)."""
+    from triton.testing import do_bench
+
+    row.update(ms={}, gbps={}, pct_of_ceiling={})
+    for name, fn in paths.items():
+        ms = do_bench(fn, return_mode="median")
+        row["ms"][name] = ms
+        row["gbps"][name] = row["ideal_bytes"] / ms / 1e6  # the fused op's ideal bytes over each path's time
+        row["pct_of_ceiling"][name] = 100.0 * row["gbps"][name] / row["ceiling_gbps"]
+    row["fused_speedup_vs_pair"] = row["ms"][pair] / row["ms"][fused]
+    progress("  " + ", ".join(f"{k} {v * 1e3:.0f} us ({row['gbps'][k]:.0f} GB/s, "
+                              f"{row['pct_of_ceiling'][k]:.0f}%)" for k, v in row["ms"].items())
+             + f"; fused {row['fused_speedup_vs_pair']:.2f}x the pair; bit-exact {row['bit_exact_vs_quantize_rows']}")
+    return row
+
+
+def _exact(q, s, ref):
+    import torch
+
+    return bool(torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(s, ref[1]))
+
+
 def bench_norm(shapes, measure_ceiling: bool, progress) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
-    from kernelkit.hw.ceilings import ceilings_for
-    from kernelkit.hw.specs import lookup
     from kernelkit.ops.gemm.fp8 import quantize_rows, quantize_rows_reference
     from kernelkit.ops.rms_norm import rms_norm_fp8_fwd, rms_norm_fwd
 
-    if measure_ceiling:
-        ceil, _ = ceilings_for()
-        copy_gbps, source = ceil.copy_gbps, "measured copy"
-    else:
-        spec = lookup(torch.cuda.get_device_name())
-        copy_gbps, source = (spec.mem_gbps if spec else float("nan")), "datasheet HBM"
+    copy_gbps, source = _copy_ceiling(measure_ceiling)
 
     def torch_pair(x, w, eps):
         return quantize_rows_reference(F.rms_norm(x, (x.shape[-1],), w, eps))
@@ -68,28 +98,44 @@ def bench_norm(shapes, measure_ceiling: bool, progress) -> list[dict]:
         w = 1.0 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
         eps = 1e-5
         y, _, q, s = rms_norm_fp8_fwd(x, w, eps)
-        qr, sr = quantize_rows(y)
-        exact = bool(torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr))
         paths = {
             "rms_norm_fp8 (fused)": lambda: rms_norm_fp8_fwd(x, w, eps),
             "rms_norm + quantize_rows": lambda: quantize_rows(rms_norm_fwd(x, w, eps)[0]),
             "rms_norm alone (bf16 path)": lambda: rms_norm_fwd(x, w, eps),
             "torch.compile(F.rms_norm + quantize)": lambda: compiled(x, w, eps),
         }
-        fused_bytes = m * n * (2 + 2 + 1) + n * 2 + m * 4  # x in; y, q, scales out; w
-        row = {"tokens": m, "hidden": n, "dtype": "bfloat16", "bit_exact_vs_quantize_rows": exact,
-               "ideal_bytes": fused_bytes, "ceiling_gbps": copy_gbps, "ceiling": source, "ms": {}, "gbps": {},
-               "pct_of_ceiling": {}}
-        for name, fn in paths.items():
-            ms = do_bench(fn, return_mode="median")
-            row["ms"][name] = ms
-            row["gbps"][name] = fused_bytes / ms / 1e6  # the fused op's ideal bytes over each path's time
-            row["pct_of_ceiling"][name] = 100.0 * row["gbps"][name] / copy_gbps
-        row["fused_speedup_vs_pair"] = row["ms"]["rms_norm + quantize_rows"] / row["ms"]["rms_norm_fp8 (fused)"]
-        progress("  " + ", ".join(f"{k} {v * 1e3:.0f} us ({row['gbps'][k]:.0f} GB/s, "
-                                  f"{row['pct_of_ceiling'][k]:.0f}%)" for k, v in row["ms"].items())
-                 + f"; fused {row['fused_speedup_vs_pair']:.2f}x the pair; bit-exact {exact}")
-        rows.append(row)
+        row = {"tokens": m, "hidden": n, "dtype": "bfloat16", "bit_exact_vs_quantize_rows": _exact(q, s, quantize_rows(y)),
+               "ideal_bytes": m * n * (2 + 2 + 1) + n * 2 + m * 4,  # x in; y, q, scales out; w
+               "ceiling_gbps": copy_gbps, "ceiling": source}
+        rows.append(_time_paths(row, paths, "rms_norm_fp8 (fused)", "rms_norm + quantize_rows", progress))
+    return rows
+
+
+def bench_swiglu(shapes, measure_ceiling: bool, progress) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernelkit.ops.gemm.fp8 import quantize_rows, quantize_rows_reference
+    from kernelkit.ops.glu import swiglu_fp8_fwd, swiglu_fwd
+
+    copy_gbps, source = _copy_ceiling(measure_ceiling)
+    compiled = torch.compile(lambda g, u: quantize_rows_reference(F.silu(g) * u))
+    rows = []
+    for m, n in shapes:
+        progress(f"swiglu {m}x{n}")
+        g, u = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        h, q, s = swiglu_fp8_fwd(g, u)
+        paths = {
+            "swiglu_fp8 (fused)": lambda: swiglu_fp8_fwd(g, u),
+            "swiglu + quantize_rows": lambda: quantize_rows(swiglu_fwd(g, u)),
+            "swiglu alone (bf16 path)": lambda: swiglu_fwd(g, u),
+            "torch.compile(silu * up + quantize)": lambda: compiled(g, u),
+        }
+        row = {"tokens": m, "width": n, "dtype": "bfloat16",
+               "bit_exact_vs_quantize_rows": _exact(q, s, quantize_rows(h)) and bool(torch.equal(h, swiglu_fwd(g, u))),
+               "ideal_bytes": m * n * (2 + 2 + 2 + 1) + m * 4,  # gate, up in; h, q, scales out
+               "ceiling_gbps": copy_gbps, "ceiling": source}
+        rows.append(_time_paths(row, paths, "swiglu_fp8 (fused)", "swiglu + quantize_rows", progress))
     return rows
 
 
@@ -131,7 +177,7 @@ def bench_step(args, progress, save) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_fusion.json")
-    ap.add_argument("--part", choices=("norm", "step", "all"), default="all")
+    ap.add_argument("--part", choices=("norm", "swiglu", "step", "all"), default="all")
     ap.add_argument("--measure-ceiling", action="store_true", help="measure the copy ceiling (cached per GPU)")
     ap.add_argument("--example", default="llama")
     ap.add_argument("--layers", type=int, default=2)
@@ -154,6 +200,8 @@ def main():
 
     if args.part in ("norm", "all"):
         save("norm", bench_norm(NORM_SHAPES, args.measure_ceiling, progress))
+    if args.part in ("swiglu", "all"):
+        save("swiglu", bench_swiglu(SWIGLU_SHAPES, args.measure_ceiling, progress))
     if args.part in ("step", "all"):
         bench_step(args, progress, lambda rows: save("step", rows))
     save()
