@@ -50,7 +50,7 @@ SWITCHES = {s.name: s for s in (
     Switch("KERNELKIT_MOE_GATHER", "auto", ("auto", "copy", "loads"), "import",
            "how the persistent grouped GEMM gathers routed rows: a copy first, in its loads, or `auto` (by width)"),
     Switch("KERNELKIT_FP8_FUSE", "1", ("0", "1"), "call",
-           "`0`: `kernelkit.patch(precision='fp8')` (read when it patches) neither shares an input's fp8 quantization among the Linears that read it nor has the RMSNorms write it (A/B)"),
+           "`0`: `kernelkit.patch(precision='fp8')` (read when it patches) neither shares an input's fp8 quantization among the Linears that read it nor has the RMSNorms and SwiGLUs write it (A/B)"),
     Switch("KERNELKIT_PATCH_CHOICE", "auto", ("auto", "kernelkit"), "call",
            "what a `kernelkit.patch` switch left True means: `auto` (kernelkit only where measured faster, per shape) or `kernelkit` (always)"),
     Switch("KERNELKIT_NCU", "", (), "call", "path of Nsight Compute's `ncu` for `kernelkit ladder` (default: on PATH)"),
