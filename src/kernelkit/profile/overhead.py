@@ -22,9 +22,7 @@ power cap, where the idle gaps a graph removes were paid back in clock.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 from typing import Callable
@@ -33,7 +31,7 @@ import torch
 
 from . import kineto
 from .analysis import GRAPH_GAP_US
-from .trace import _run_step, _zero_grad, sustain
+from .trace import _export, _run_step, _zero_grad, sustain
 
 # A kernel (by name) counts as slower inside the graph from this much more time per step, and this share.
 SLOWER_MS, SLOWER_SHARE = 0.1, 0.1
@@ -74,13 +72,7 @@ def _light_profile(fn: Callable[[], object], reps: int = 3) -> dict:
         for _ in range(reps):  # synchronized as the plain timing is: the gap before a step's first kernel counts
             fn()
             torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="kernelkit-light-")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        return gpu_activity(kineto.load_events(path), reps)
-    finally:
-        os.unlink(path)
+    return gpu_activity(_export(prof), reps)
 
 
 def slower_in_graph(eager: dict, graphed: dict, top: int = 3) -> list[dict]:
