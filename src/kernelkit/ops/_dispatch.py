@@ -165,6 +165,30 @@ class Op:
 _OP_PARAMS: dict = {}  # code object of a registered public op function -> (registry name, [(param, default)])
 
 
+def fp8_rows_op(name: str, forward: Callable, *, fake: Callable, setup_context: Callable, backward: Callable,
+                double_backward: Callable, **kwargs) -> Op:
+    """An `Op` whose forward also returns its output's fp8 rows: `forward` returns the plain op's outputs and then
+    (q, scale), q float8_e4m3fn of the output's shape and scale fp32 per row (`quantize_rows` of the output, made
+    in the same pass). `fake`, `setup_context`, `backward` and `double_backward` are the plain op's; q and scale
+    are marked non-differentiable and their (absent) gradients dropped. `kwargs` go to `Op` (bwd, bwd_fake,
+    n_grad, public: with `public`, name q and scale too)."""
+
+    @functools.wraps(fake)
+    def fake_rows(*args):
+        out = fake(*args)
+        y = out[0] if isinstance(out, tuple) else out
+        rows = (y.new_empty(y.shape, dtype=torch.float8_e4m3fn), y.new_empty(y.shape[:-1], dtype=torch.float32))
+        return (*out, *rows) if isinstance(out, tuple) else (out, *rows)
+
+    def setup_rows(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[-2], output[-1])
+
+    return Op(name, forward, fake=fake_rows, setup_context=setup_rows,
+              backward=lambda ctx, kernels, *grads: backward(ctx, kernels, *grads[:-2]),
+              double_backward=lambda ctx, *grads: double_backward(ctx, *grads[:-2]), **kwargs)
+
+
 def _is_default(v, default) -> bool:
     if v is default:
         return True

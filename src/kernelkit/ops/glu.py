@@ -27,7 +27,7 @@ from ..runtime.alloc import empty
 from ..runtime import autotune, cdiv, launch, next_pow2
 from . import _validate
 from .gemm.fp8 import e4m3_bits, fp8_clamp, fp8_scale, max_nan, quantize_rows
-from ._dispatch import Op, reference_vjp
+from ._dispatch import Op, fp8_rows_op, reference_vjp
 from .registry import OpSpec, optional_import, register
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -278,27 +278,8 @@ SWIGLU = Op("swiglu", swiglu_fwd, **_GLU)
 GEGLU = Op("geglu", geglu_fwd, **_GLU)
 
 
-def _fp8_fake(gate, up):
-    out = _fake(gate, up)
-    return out, out.new_empty(out.shape, dtype=torch.float8_e4m3fn), out.new_empty(out.shape[:-1], dtype=torch.float32)
-
-
-def _fp8_setup_context(ctx, inputs, output):
-    _setup_context(ctx, inputs, output)
-    ctx.mark_non_differentiable(output[1], output[2])
-
-
-def _fp8_backward(ctx, kernels, dout, _dq=None, _dscale=None):
-    return _backward(ctx, kernels, dout)
-
-
-def _fp8_double_backward(ctx, dout, _dq=None, _dscale=None):
-    return _double_backward(ctx, dout)
-
-
-SWIGLU_FP8 = Op("swiglu_fp8", swiglu_fp8_fwd, fake=_fp8_fake, setup_context=_fp8_setup_context,
-                backward=_fp8_backward, bwd=glu_bwd, bwd_fake=_bwd_fake, double_backward=_fp8_double_backward,
-                n_grad=2)
+SWIGLU_FP8 = fp8_rows_op("swiglu_fp8", swiglu_fp8_fwd, fake=_fake, setup_context=_setup_context, backward=_backward,
+                        double_backward=_double_backward, bwd=glu_bwd, bwd_fake=_bwd_fake, n_grad=2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

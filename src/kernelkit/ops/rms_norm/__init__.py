@@ -23,7 +23,7 @@ from ...roofline.model import Cost, dtype_key
 from ...runtime.alloc import empty, empty_like
 from ...runtime import cdiv, interpreting, launch, next_pow2, num_sms
 from .. import _coop, _validate
-from .._dispatch import Op, reference_vjp
+from .._dispatch import Op, fp8_rows_op, reference_vjp
 from .._norm_common import FusedBackward, WideBackward, column_sum, fused_backward, validate_trailing
 from ..gemm.fp8 import quantize_rows
 from ..registry import OpSpec, optional_import, register
@@ -264,27 +264,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
 
 # --- RMSNorm that also writes its output's fp8 rows (the operand of the fp8 Linears it feeds) ---
 
-def _fp8_fake(x, weight, eps, offset=0.0):
-    return (*_fake(x, weight, eps, offset), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
-
-
-def _fp8_setup_context(ctx, inputs, output):
-    _setup_context(ctx, inputs, output)
-    ctx.mark_non_differentiable(output[2], output[3])
-
-
-def _fp8_backward(ctx, kernels, dy, _dq=None, _dscale=None):
-    return _backward(ctx, kernels, dy)
-
-
-def _fp8_double_backward(ctx, dy, _dq=None, _dscale=None):
-    return _double_backward(ctx, dy)
-
-
-RMS_NORM_FP8 = Op("rms_norm_fp8", rms_norm_fp8_fwd, fake=_fp8_fake, setup_context=_fp8_setup_context,
-                  backward=_fp8_backward, bwd=rms_norm_bwd, bwd_fake=_bwd_fake, double_backward=_fp8_double_backward,
-                  n_grad=2, public=(0, 2, 3))
+RMS_NORM_FP8 = fp8_rows_op("rms_norm_fp8", rms_norm_fp8_fwd, fake=_fake, setup_context=_setup_context,
+                          backward=_backward, double_backward=_double_backward, bwd=rms_norm_bwd, bwd_fake=_bwd_fake,
+                          n_grad=2, public=(0, 2, 3))
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
