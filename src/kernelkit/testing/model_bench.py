@@ -104,11 +104,15 @@ def build_config(example: str | None, config_path: str | None, layers: int | Non
 
 
 def _median_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
+    """Median of `iters` CUDA-event timings of `fn`, after `warmup` calls and at least a second of them (the GPU
+    at the clock a training loop sustains under its power cap, as profile.trace.sustain explains)."""
     import torch
 
-    for _ in range(warmup):
+    t0, n = time.perf_counter(), 0
+    while n < warmup or (time.perf_counter() - t0 < 1.0 and n < 50):
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        n += 1
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
