@@ -64,7 +64,7 @@ class Fp8Producer:
     def writes_fp8(self, x: torch.Tensor) -> bool:
         """Whether this call should also write its output's fp8 rows (x: a tensor of the output's dtype and width)."""
         shared = self.fp8_shared
-        return (shared is not None and self.fp8_read is not False and not choose.measuring()
+        return (shared is not None and self.fp8_read is not False and self.can_write_fp8() and not choose.measuring()
                 and not shared.bypassed(x) and fp8_takes_input(x))
 
 
@@ -170,7 +170,7 @@ def _mlp(self, x: torch.Tensor) -> torch.Tensor:
     rows for the fp8 down projection (`glu.swiglu_fp8`), until it is seen that it does not read them."""
     kk: MLPSettings = self._kernelkit
     gate, up = (self.gate_up_proj(x), None) if kk.fused else (self.gate_proj(x), self.up_proj(x))
-    if kk.glu is glu.swiglu and kk.writes_fp8(gate if up is not None else gate[..., : gate.shape[-1] // 2]):
+    if kk.writes_fp8(gate if up is not None else gate[..., : gate.shape[-1] // 2]):
         h, q, scale = glu.swiglu_fp8(gate, up)
         kk.fp8_shared.offer(h, q, scale, kk.fp8_rows_read)
         return self.down_proj(h)
