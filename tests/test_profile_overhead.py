@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernelkit.profile import trace as trace_mod
+from kernelkit.hw import sustain as sustain_mod
 from kernelkit.profile.findings import measured_overhead
 from kernelkit.profile.overhead import combine, gpu_activity, measure_overhead, slower_in_graph
 
@@ -92,17 +92,17 @@ def test_projection_from_the_light_runs_gaps_and_the_saving_split():
 
 def test_sustain_runs_for_the_time_asked_then_stops(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(trace_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(trace_mod.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(sustain_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(sustain_mod.torch.cuda, "synchronize", lambda: None)
     calls = []
 
     def step(ms=90.0):
         calls.append(1)
         clock[0] += ms / 1e3
-    assert trace_mod.sustain(step, min_steps=1, seconds=1.0) == 12  # 11 x 90 ms < 1 s <= 12 x 90 ms
+    assert sustain_mod.sustain(step, min_steps=1, seconds=1.0) == 12  # 11 x 90 ms < 1 s <= 12 x 90 ms
     calls.clear()
-    assert trace_mod.sustain(lambda: step(1.0), min_steps=1, seconds=1.0) == trace_mod.SUSTAIN_MAX_STEPS
-    assert trace_mod.sustain(lambda: step(2000.0), min_steps=3, seconds=1.0) == 3
+    assert sustain_mod.sustain(lambda: step(1.0), min_steps=1, seconds=1.0) == sustain_mod.SUSTAIN_MAX_STEPS
+    assert sustain_mod.sustain(lambda: step(2000.0), min_steps=3, seconds=1.0) == 3
 
 
 class _Tiny(torch.nn.Module):

@@ -2,8 +2,8 @@
 
 The profiler's timeline shows where the GPU idles between kernels, but the profiler widens those gaps itself
 (it records every launch on the host). So where the timeline says the step is overhead-bound,
-`measure_overhead` first runs the step for a second (the GPU settles at the clock its power cap sustains, as in a
-training loop), then times the same step three ways, each the median of several steps:
+`measure_overhead` first runs the step for a second (`hw.sustain`: the GPU settles at the clock its power cap
+sustains, as in a training loop), then times the same step three ways, each the median of several steps:
 - **plain**: no profiler;
 - **light**: a few steps under torch.profiler recording only the GPU's activity (no CPU events, no dispatch
   recorder): the kernels' busy time, the gaps between them, and each kernel's time by name;
@@ -29,9 +29,10 @@ from typing import Callable
 
 import torch
 
+from ..hw.sustain import sustain
 from . import kineto
 from .analysis import GRAPH_GAP_US
-from .trace import _export, _run_step, _zero_grad, sustain
+from .trace import _export, _run_step, _zero_grad
 
 # A kernel (by name) counts as slower inside the graph from this much more time per step, and this share.
 SLOWER_MS, SLOWER_SHARE = 0.1, 0.1

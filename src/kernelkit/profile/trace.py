@@ -22,12 +22,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import kineto
+from ..hw.sustain import sustain
 from .costs import attention_flops, extent_bytes, kernelkit_cost, op_cost, parse_range, tensors
 from ..patch.loss import observer
 from ..roofline.model import Cost, dtype_key
@@ -511,32 +510,10 @@ def profiled_steps(model, inputs, steps: int, backward: bool, instrument: bool, 
     return prof, records, ran
 
 
-# Warm-up runs at least this long before anything is timed. A GPU that has idled runs its first second of work at
-# boost clock; a training loop runs at the clock its power cap sustains (an H100 SXM at 700 W: 1.5-1.9 GHz on a
-# GEMM-heavy step, not 1.98). Timed at boost, kernels look 5-10% shorter than in the loop, and a step whose host
-# keeps up at the sustained clock looks host-bound (docs/profile.md, "Launch overhead, measured").
-SUSTAIN_S = 1.0
-SUSTAIN_MAX_STEPS = 50
-
-
-def sustain(step: Callable[[], object], min_steps: int = 1, seconds: float | None = None) -> int:
-    """Run `step` at least `min_steps` times and until `seconds` (SUSTAIN_S) of GPU work have passed (at most
-    SUSTAIN_MAX_STEPS steps), then synchronize; returns how many steps ran."""
-    seconds = SUSTAIN_S if seconds is None else seconds
-    t0, n = time.perf_counter(), 0
-    while n < min_steps or (time.perf_counter() - t0 < seconds and n < SUSTAIN_MAX_STEPS):
-        step()
-        n += 1
-        if n >= min_steps:
-            torch.cuda.synchronize()  # time the GPU's work, not how far the host ran ahead
-    torch.cuda.synchronize()
-    return n
-
-
 def measure(model: torch.nn.Module, inputs, steps: int = 3, warmup: int = 1, backward: bool = True) -> Trace:
-    """Profile `steps` steps on the GPU (after `warmup` untimed ones, and at least SUSTAIN_S of them), twice: once
-    plain for the timeline
-    (launch gaps), once under the dispatch mode for per-call kernel time, shapes, FLOPs and bytes."""
+    """Profile `steps` steps on the GPU (after `warmup` untimed ones, and at least `hw.sustain.SUSTAIN_S` of
+    them), twice: once plain for the timeline (launch gaps), once under the dispatch mode for per-call kernel time,
+    shapes, FLOPs and bytes."""
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]

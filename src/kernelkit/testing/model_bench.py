@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..hw.sustain import sustain
+
 # kernelkit: each switch runs kernelkit only where measured faster than the model's code (the default);
 # kernelkit-always: every switch forced to kernelkit.
 # ...+compile-ro: torch.compile(mode="reduce-overhead"), CUDA graphs around the compiled regions.
@@ -104,15 +106,11 @@ def build_config(example: str | None, config_path: str | None, layers: int | Non
 
 
 def _median_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
-    """Median of `iters` CUDA-event timings of `fn`, after `warmup` calls and at least a second of them (the GPU
-    at the clock a training loop sustains under its power cap, as profile.trace.sustain explains)."""
+    """Median of `iters` CUDA-event timings of `fn`, after `warmup` calls and at least a second of them
+    (`hw.sustain`: the clock a training loop runs at)."""
     import torch
 
-    t0, n = time.perf_counter(), 0
-    while n < warmup or (time.perf_counter() - t0 < 1.0 and n < 50):
-        fn()
-        torch.cuda.synchronize()
-        n += 1
+    sustain(fn, warmup)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
