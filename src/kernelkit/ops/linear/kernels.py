@@ -43,6 +43,27 @@ def _activate(z, ACTIVATION: tl.constexpr):
     return z
 
 
+@triton.jit
+def _epilogue(acc, acc_up, BIAS, RES, rm64, rn64, m_ok, n_ok, N, stride_bias, stride_rm, stride_rn, scale,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Both GEMM kernels' epilogue on the fp32 tile: bias (the up half's too with swiglu), activation, scale,
+    residual."""
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn64 * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION == "swiglu":
+            acc_up += tl.load(BIAS + (rn64 + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == "swiglu":
+        acc = acc * tl.sigmoid(acc) * acc_up
+    else:
+        acc = _activate(acc, ACTIVATION)
+    if HAS_SCALE:
+        acc = acc * scale
+    if HAS_RESIDUAL:
+        acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn,
+                       mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    return acc
+
+
 @autotune(_gemm_configs(), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS", "HAS_RESIDUAL"])
 @triton.jit
 def linear_fwd_kernel(A, B, C, BIAS, RES,
@@ -102,20 +123,9 @@ def linear_fwd_kernel(A, B, C, BIAS, RES,
             up_ptrs += step_b
 
     # Epilogue, in fp32 registers before the one store: bias, activation, scale, residual.
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn64 * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION == "swiglu":
-            acc_up += tl.load(BIAS + (rn64 + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == "swiglu":
-        acc = acc * tl.sigmoid(acc) * acc_up
-    else:
-        acc = _activate(acc, ACTIVATION)
-    if HAS_SCALE:
-        acc = acc * scale
+    acc = _epilogue(acc, acc_up, BIAS, RES, rm64, rn64, m_ok, n_ok, N, stride_bias, stride_rm, stride_rn, scale,
+                    HAS_BIAS, ACTIVATION, HAS_SCALE, HAS_RESIDUAL)
     mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn, mask=mask,
-                       other=0.0).to(tl.float32)
     tl.store(C + rm64[:, None] * stride_cm + rn64[None, :] * stride_cn, acc.to(C.dtype.element_ty), mask=mask)
 
 
@@ -209,24 +219,11 @@ def linear_tma_kernel(A, B, C, BIAS, RES,
                     u = u_desc.load([ks * BLOCK_K, off_n])
                 acc_up = _tma_dot(a, u, acc_up, B_KMAJOR, INTERPRETER_DOT, INPUT_PRECISION)
 
-        # Epilogue as linear_fwd_kernel's: bias, activation, scale, residual in fp32, then one TMA store.
+        # The epilogue (bias, activation, scale, residual in fp32), then one TMA store.
         rm64 = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn64 = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        n_ok = rn64 < N
-        if HAS_BIAS:
-            acc += tl.load(BIAS + rn64 * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if ACTIVATION == "swiglu":
-                acc_up += tl.load(BIAS + (rn64 + N) * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION == "swiglu":
-            acc = acc * tl.sigmoid(acc) * acc_up
-        else:
-            acc = _activate(acc, ACTIVATION)
-        if HAS_SCALE:
-            acc = acc * scale
-        if HAS_RESIDUAL:
-            mask = (rm64 < M)[:, None] & n_ok[None, :]
-            acc += tl.load(RES + rm64[:, None] * stride_rm + rn64[None, :] * stride_rn, mask=mask,
-                           other=0.0).to(tl.float32)
+        acc = _epilogue(acc, acc_up, BIAS, RES, rm64, rn64, rm64 < M, rn64 < N, N, stride_bias, stride_rm, stride_rn,
+                        scale, HAS_BIAS, ACTIVATION, HAS_SCALE, HAS_RESIDUAL)
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
