@@ -21,14 +21,18 @@ from kernelkit.ops.gemm.fp8 import quantize_rows_reference
 from kernelkit.runtime.alloc import poisoned_outputs
 
 
-def _same_rows(q, s, t):
-    """q, s are quantize_rows(t) bit for bit: the scales (NaN where NaN), the e4m3 bytes (NaN where NaN)."""
-    qr, sr = quantize_rows_reference(t)
-    assert q.shape == t.shape and q.dtype == torch.float8_e4m3fn and s.shape == t.shape[:-1]
+def _same_fp8(q, s, qr, sr):
+    """(q, s) and (qr, sr) bit for bit: the scales (NaN where NaN), the e4m3 bytes (NaN where NaN)."""
     torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
     nan = torch.isnan(qr.float())
     assert torch.equal(torch.isnan(q.float()), nan)
     assert torch.equal(q.view(torch.uint8)[~nan], qr.view(torch.uint8)[~nan])
+
+
+def _same_rows(q, s, t):
+    """q, s are quantize_rows(t) bit for bit (its definition)."""
+    assert q.shape == t.shape and q.dtype == torch.float8_e4m3fn and s.shape == t.shape[:-1]
+    _same_fp8(q, s, *quantize_rows_reference(t))
 
 
 def _inputs(shape, dtype, layout):
@@ -431,10 +435,7 @@ def test_gpu_rms_norm_fp8_matches_the_quantize_rows_kernel(shape, dtype):
     w = (1.0 + 0.3 * torch.randn(shape[-1])).to(dtype).cuda()
     with poisoned_outputs():
         y, q, s = RN.rms_norm_fp8(x, w, 1e-5)
-    qk, sk = quantize_rows(y)
-    torch.testing.assert_close(s, sk, rtol=0, atol=0, equal_nan=True)
-    nan = torch.isnan(qk.float())
-    assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
+    _same_fp8(q, s, *quantize_rows(y))  # the kernel's bits
     _same_rows(q, s, y)
 
 
@@ -449,10 +450,7 @@ def test_gpu_swiglu_fp8_matches_the_quantize_rows_kernel(shape, dtype):
     with poisoned_outputs():
         h, q, s = GLU.swiglu_fp8(gate, up)
     assert torch.equal(h.view(torch.int16), GLU.swiglu(gate, up).view(torch.int16))
-    qk, sk = quantize_rows(h)
-    torch.testing.assert_close(s, sk, rtol=0, atol=0, equal_nan=True)
-    nan = torch.isnan(qk.float())
-    assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
+    _same_fp8(q, s, *quantize_rows(h))  # the kernel's bits
     _same_rows(q, s, h)
 
 
