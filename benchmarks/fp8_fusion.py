@@ -14,7 +14,8 @@
     `quantize_rows` then `quantize_cols_t` (four reads) and torch.compile of the two references; ideal bytes: dy
     read once, both e4m3 copies and their scales written.
 (d) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
-    with precision="fp8", eager and + torch.compile, with the sharing and the fused norm (KERNELKIT_FP8_FUSE=1)
+    with precision="fp8", eager and + torch.compile, with the sharing, the fused norm and SwiGLU and dy's two-read
+    quantization (KERNELKIT_FP8_FUSE=1, KERNELKIT_FP8_DY_ONE_READ=1)
     and without (=0): ms per step, kernels per step and the quantization kernels' ms (torch.profiler over two
     steps), peak memory and the loss. Every switch is forced to kernelkit (KERNELKIT_PATCH_CHOICE=kernelkit) so
     that the rows differ only in the fusion; --choice auto measures the per-shape choices as `bench model` does.
@@ -175,7 +176,7 @@ def bench_step(args, progress, save) -> list[dict]:
         if args.no_compile and "compile" in variant:
             continue
         progress(f"step {variant} KERNELKIT_FP8_FUSE={fuse} ...")
-        env = dict(os.environ, KERNELKIT_FP8_FUSE=fuse, KERNELKIT_PATCH_CHOICE=args.choice)
+        env = dict(os.environ, KERNELKIT_FP8_FUSE=fuse, KERNELKIT_FP8_DY_ONE_READ=fuse, KERNELKIT_PATCH_CHOICE=args.choice)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp, "row.json")
             cmd = [sys.executable, "-m", "kernelkit.testing.model_bench", "--variant", variant, "--example",
