@@ -477,10 +477,8 @@ def test_gpu_rows_and_cols_t_match_the_separate_kernels(shape, dtype):
     t = _inputs(shape, dtype, "contiguous").cuda()
     with poisoned_outputs():
         (qr, sr), (qc, sc) = F8.quantize_rows_and_cols_t(t)
-    for (q, s), (qk, sk) in (((qr, sr), quantize_rows(t)), ((qc, sc), quantize_cols_t(t))):
-        torch.testing.assert_close(s, sk, rtol=0, atol=0, equal_nan=True)
-        nan = torch.isnan(qk.float())
-        assert torch.equal(torch.isnan(q.float()), nan) and torch.equal(q.view(torch.uint8)[~nan], qk.view(torch.uint8)[~nan])
+    _same_fp8(qr, sr, *quantize_rows(t))
+    _same_fp8(qc, sc, *quantize_cols_t(t))
 
 
 @pytest.mark.gpu
@@ -506,10 +504,7 @@ def test_rows_and_cols_t_are_both_quantizations_bit_for_bit(device, dtype, shape
             (qr, sr), (qc, sc) = F8.quantize_rows_and_cols_t(x)
         _same_rows(qr, sr, x)
         assert qc.shape == (shape[1], shape[0]) and qc.is_contiguous()
-        qc0, sc0 = quantize_cols_t_reference(x)
-        torch.testing.assert_close(sc, sc0, rtol=0, atol=0, equal_nan=True)
-        nan = torch.isnan(qc0.float())
-        assert torch.equal(torch.isnan(qc.float()), nan) and torch.equal(qc.view(torch.uint8)[~nan], qc0.view(torch.uint8)[~nan])
+        _same_fp8(qc, sc, *quantize_cols_t_reference(x))
     with pytest.raises(ValueError, match="2-D"):
         F8.quantize_rows_and_cols_t(t.view(1, *t.shape))
 
