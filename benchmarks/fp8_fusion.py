@@ -1,6 +1,6 @@
 """The fp8 Linears' input quantization done once (issue 30 item 2), measured on the GPU.
 
-    PYTHONPATH=src python benchmarks/fp8_fusion.py --out fp8_fusion.json [--part norm|swiglu|step|all] [--steps 5]
+    PYTHONPATH=src python benchmarks/fp8_fusion.py --out fp8_fusion.json [--part norm|swiglu|dy|step|all] [--steps 5]
 
 (a) `norm`: RMSNorm writing its output's e4m3 rows in its pass (`rms_norm_fp8`) against the pair it replaces
     (`rms_norm`, then `quantize_rows` of its output), `rms_norm` alone (the bf16 path's norm), and torch.compile of
@@ -10,8 +10,12 @@
 (b) `swiglu`: SwiGLU writing its output's e4m3 rows (`swiglu_fp8`, the down projection's operand) against
     `swiglu` then `quantize_rows`, `swiglu` alone and torch.compile of the torch pair; ideal bytes: gate and up
     read, h, q and the row scales written.
-(c) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
-    with precision="fp8", eager and + torch.compile, with the sharing and the fused norm (KERNELKIT_FP8_FUSE=1)
+(c) `dy`: an fp8 Linear's output gradient quantized both ways (`quantize_rows_and_cols_t`: two reads of dy) against
+    `quantize_rows` then `quantize_cols_t` (four reads) and torch.compile of the two references; ideal bytes: dy
+    read once, both e4m3 copies and their scales written.
+(d) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
+    with precision="fp8", eager and + torch.compile, with the sharing, the fused norm and SwiGLU and dy's two-read
+    quantization (KERNELKIT_FP8_FUSE=1, KERNELKIT_FP8_DY_ONE_READ=1)
     and without (=0): ms per step, kernels per step and the quantization kernels' ms (torch.profiler over two
     steps), peak memory and the loss. Every switch is forced to kernelkit (KERNELKIT_PATCH_CHOICE=kernelkit) so
     that the rows differ only in the fusion; --choice auto measures the per-shape choices as `bench model` does.
@@ -33,6 +37,7 @@ from pathlib import Path
 
 NORM_SHAPES = ((8192, 4096), (16384, 4096), (16384, 2048))  # tokens x hidden: the 8B and 1B steps' norms
 SWIGLU_SHAPES = ((8192, 14336), (16384, 8192))  # tokens x MLP width: the 8B and 1B steps' SwiGLUs
+DY_SHAPES = ((8192, 4096), (8192, 1024), (8192, 14336), (16384, 2048), (16384, 8192))  # tokens x out features
 STEP_ROWS = (("kernelkit-fp8", "1"), ("kernelkit-fp8", "0"), ("kernelkit-fp8+compile", "1"),
              ("kernelkit-fp8+compile", "0"))
 
@@ -139,13 +144,39 @@ def bench_swiglu(shapes, measure_ceiling: bool, progress) -> list[dict]:
     return rows
 
 
+def bench_dy(shapes, measure_ceiling: bool, progress) -> list[dict]:
+    import torch
+
+    from kernelkit.ops.gemm.fp8 import (quantize_cols_t, quantize_cols_t_reference, quantize_rows,
+                                        quantize_rows_and_cols_t, quantize_rows_reference)
+
+    copy_gbps, source = _copy_ceiling(measure_ceiling)
+    compiled = torch.compile(lambda t: (quantize_rows_reference(t), quantize_cols_t_reference(t)))
+    rows = []
+    for m, n in shapes:
+        progress(f"dy {m}x{n}")
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        (qr, sr), (qc, sc) = quantize_rows_and_cols_t(dy)
+        paths = {
+            "rows_and_cols_t (two reads)": lambda: quantize_rows_and_cols_t(dy),
+            "quantize_rows + quantize_cols_t": lambda: (quantize_rows(dy), quantize_cols_t(dy)),
+            "torch.compile of the references": lambda: compiled(dy),
+        }
+        row = {"tokens": m, "out_features": n, "dtype": "bfloat16",
+               "bit_exact_vs_quantize_rows": _exact(qr, sr, quantize_rows(dy)) and _exact(qc, sc, quantize_cols_t(dy)),
+               "ideal_bytes": m * n * (2 + 1 + 1) + (m + n) * 4, "ceiling_gbps": copy_gbps, "ceiling": source}
+        rows.append(_time_paths(row, paths, "rows_and_cols_t (two reads)", "quantize_rows + quantize_cols_t",
+                                progress))
+    return rows
+
+
 def bench_step(args, progress, save) -> list[dict]:
     rows = []
     for variant, fuse in STEP_ROWS:
         if args.no_compile and "compile" in variant:
             continue
         progress(f"step {variant} KERNELKIT_FP8_FUSE={fuse} ...")
-        env = dict(os.environ, KERNELKIT_FP8_FUSE=fuse, KERNELKIT_PATCH_CHOICE=args.choice)
+        env = dict(os.environ, KERNELKIT_FP8_FUSE=fuse, KERNELKIT_FP8_DY_ONE_READ=fuse, KERNELKIT_PATCH_CHOICE=args.choice)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp, "row.json")
             cmd = [sys.executable, "-m", "kernelkit.testing.model_bench", "--variant", variant, "--example",
@@ -177,7 +208,7 @@ def bench_step(args, progress, save) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_fusion.json")
-    ap.add_argument("--part", choices=("norm", "swiglu", "step", "all"), default="all")
+    ap.add_argument("--part", choices=("norm", "swiglu", "dy", "step", "all"), default="all")
     ap.add_argument("--measure-ceiling", action="store_true", help="measure the copy ceiling (cached per GPU)")
     ap.add_argument("--example", default="llama")
     ap.add_argument("--layers", type=int, default=2)
@@ -202,6 +233,8 @@ def main():
         save("norm", bench_norm(NORM_SHAPES, args.measure_ceiling, progress))
     if args.part in ("swiglu", "all"):
         save("swiglu", bench_swiglu(SWIGLU_SHAPES, args.measure_ceiling, progress))
+    if args.part in ("dy", "all"):
+        save("dy", bench_dy(DY_SHAPES, args.measure_ceiling, progress))
     if args.part in ("step", "all"):
         bench_step(args, progress, lambda rows: save("step", rows))
     save()

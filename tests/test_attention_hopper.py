@@ -294,7 +294,7 @@ from kernelkit.testing.compile_check import compile_gluon
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 q, k = (torch.empty(s, dtype=torch.bfloat16) for s in ((2, 200, 4, d), (2, 300, 2, d)))
 lse = torch.empty(2, 4, 200)
-args = dict(q_desc=hopper._desc(q, B.BLOCK_M), do_desc=hopper._desc(q, B.BLOCK_M), k_desc=hopper._desc(k, B.HALF_N),
+args = dict(q_desc=hopper._desc(q, B.BLOCK_M[d]), do_desc=hopper._desc(q, B.BLOCK_M[d]), k_desc=hopper._desc(k, B.HALF_N),
             v_desc=hopper._desc(k, B.HALF_N), dk_desc=hopper._desc(k, B.HALF_N), dv_desc=hopper._desc(k, B.HALF_N),
             LSE2=lse, DELTA=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=200, seqlen_k=300,
             n_heads_k=2, group=2, scale=0.1, scale2=0.2)

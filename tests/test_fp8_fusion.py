@@ -190,7 +190,20 @@ def counted(monkeypatch):
             return real(t)
 
         monkeypatch.setattr(F8, name, wrapped)
+    _count_both(monkeypatch, calls, lambda t: t.shape[0] == 12)
     return calls
+
+
+def _count_both(monkeypatch, calls, counts):
+    """quantize_rows_and_cols_t (dy both ways from two reads) counts as one of each."""
+    real = F8.quantize_rows_and_cols_t
+
+    def both(t):
+        calls["rows"] += counts(t)
+        calls["cols"] += counts(t)
+        return real(t)
+
+    monkeypatch.setattr(F8, "quantize_rows_and_cols_t", both)
 
 
 def _linears(device, n_out=(32, 48, 32)):
@@ -332,6 +345,7 @@ def _patched_step(monkeypatch, device, fuse: str, family="llama"):
             return real(t, *a, **k)
 
         monkeypatch.setattr(mod, name, wrapped)
+    _count_both(monkeypatch, calls, lambda t: t.shape[0] == 16)
     model = tiny_model(family, dtype=torch.bfloat16, device=device, layers=1)
     report = patch(model, precision="fp8", rms_norm="kernelkit", mlp="kernelkit", rope=False, attention=False,
                    cross_entropy=False)
@@ -455,8 +469,59 @@ def test_gpu_swiglu_fp8_matches_the_quantize_rows_kernel(shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16384, 8192), (8192, 14336), (8192, 1024), (37, 4111), (4111, 65)])
+def test_gpu_rows_and_cols_t_match_the_separate_kernels(shape, dtype):
+    from kernelkit.ops.gemm.fp8 import quantize_cols_t, quantize_rows
+
+    t = _inputs(shape, dtype, "contiguous").cuda()
+    with poisoned_outputs():
+        (qr, sr), (qc, sc) = F8.quantize_rows_and_cols_t(t)
+    _same_fp8(qr, sr, *quantize_rows(t))
+    _same_fp8(qc, sc, *quantize_cols_t(t))
+
+
+@pytest.mark.gpu
 def test_gpu_patched_llama_fused_agrees_with_unfused(monkeypatch):
     test_patched_model_same_loss_and_grads_with_fewer_quantizations("cuda", monkeypatch)
+
+
+# --- dy quantized both ways from two reads (quantize_rows_and_cols_t) ---
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (70, 130), (129, 65)])
+def test_rows_and_cols_t_are_both_quantizations_bit_for_bit(device, dtype, shape):
+    from kernelkit.ops.gemm.fp8 import quantize_cols_t_reference
+
+    if dtype != torch.bfloat16 and shape[0] > 100:
+        pytest.skip("the many-row case: bf16 is enough (the interpreter is slow)")
+    t = _inputs(shape, dtype, "contiguous").to(device)
+    if shape[1] > 2:
+        t[1 % shape[0], 2] = float("nan")  # a NaN spreads to its row and its column
+    views = [t] + ([_inputs(shape, dtype, "offset").to(device)] if shape[0] > 1 else [])
+    for x in views:
+        with poisoned_outputs():
+            (qr, sr), (qc, sc) = F8.quantize_rows_and_cols_t(x)
+        _same_rows(qr, sr, x)
+        assert qc.shape == (shape[1], shape[0]) and qc.is_contiguous()
+        _same_fp8(qc, sc, *quantize_cols_t_reference(x))
+    with pytest.raises(ValueError, match="2-D"):
+        F8.quantize_rows_and_cols_t(t.view(1, *t.shape))
+
+
+def test_the_backward_with_dy_read_twice_or_four_times_is_the_same(device, monkeypatch, counted):
+    ws = _linears(device, (32, 48))
+    x = torch.randn(12, 48).to(device, torch.bfloat16).requires_grad_()
+    dys = [torch.randn(12, w.shape[0]).to(device, torch.bfloat16) for w in ws]
+    got = []
+    for one_read in (True, False):
+        monkeypatch.setattr(F8, "DY_ONE_READ", one_read)
+        x.grad = None
+        for w in ws:
+            w.grad = None
+        _run(x, ws, None, dys)
+        got.append([x.grad.clone()] + [w.grad.clone() for w in ws])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 # --- what the backward keeps: x's fp8 columns, not x ---
@@ -481,3 +546,25 @@ def test_the_forward_keeps_x_columns_in_fp8_not_x(device, counted):
     assert counted["cols"] == 0 and [t.dtype for t in _saved(z)] == [torch.bfloat16]
     z.backward(torch.ones_like(z))
     assert x.grad is not None and counted["cols"] == 0
+
+
+def test_rows_and_cols_t_kernels_compile_for_sm90():
+    # The interpreter runs them with encoded fp8 bits; CI builds them for the H100 (hardware converts, atomics).
+    from kernelkit.ops.gemm import fp8 as G
+    from kernelkit.testing import compile_check
+
+    i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
+    block_r, block_c, warps = G.ROWS_COLS_TILE
+    tile = {"R": i32(16384), "C": i32(8192), "stride_r": i32(8192), "BLOCK_R": {"value": block_r},
+            "BLOCK_C": {"value": block_c}}
+    records = []
+    for dt in ("bf16", "fp16"):
+        records += [{"kernel": "kernelkit.ops.gemm.fp8:amax_rows_cols_kernel",
+                     "args": {"X": {"ptr": dt}, "RA": {"ptr": "i32"}, "CA": {"ptr": "i32"}, **tile},
+                     "options": {"num_warps": warps}},
+                    {"kernel": "kernelkit.ops.gemm.fp8:quantize_rows_cols_t_kernel",
+                     "args": {"X": {"ptr": dt}, "RA": {"ptr": "i32"}, "CA": {"ptr": "i32"}, "QR": {"ptr": "u8"},
+                              "SR": {"ptr": "fp32"}, "QC": {"ptr": "u8"}, "SC": {"ptr": "fp32"}, **tile,
+                              "tiny": {"value": 1e-38, "type": "fp32"}},
+                     "options": {"num_warps": warps}}]
+    assert not compile_check.compile_in_subprocess(records)

@@ -49,6 +49,9 @@ SWITCHES = {s.name: s for s in (
            "`0`: bf16/fp16/fp8 grouped GEMMs take the pointer kernel instead of the persistent TMA kernel"),
     Switch("KERNELKIT_MOE_GATHER", "auto", ("auto", "copy", "loads"), "import",
            "how the persistent grouped GEMM gathers routed rows: a copy first, in its loads, or `auto` (by width)"),
+    Switch("KERNELKIT_FP8_DY_ONE_READ", "1", ("0", "1"), "import",
+           "`0`: fp8_linear's backward quantizes dy's rows and columns apart (four reads of dy) instead of together "
+           "(two)"),
     Switch("KERNELKIT_FP8_FUSE", "1", ("0", "1"), "call",
            "`0`: `kernelkit.patch(precision='fp8')` (read when it patches) neither shares an input's fp8 quantization among the Linears that read it nor has the RMSNorms and SwiGLUs write it (A/B)"),
     Switch("KERNELKIT_PATCH_CHOICE", "auto", ("auto", "kernelkit"), "call",

@@ -26,10 +26,14 @@ from typing import Optional
 
 import torch
 
-from .gemm.fp8 import quantize_cols_t, quantize_rows
+from .. import switches
+from .gemm.fp8 import quantize_cols_t, quantize_rows, quantize_rows_and_cols_t
 from .scaled_matmul import fp8_device_unsupported, rowwise_gemm as _gemm
 
 DTYPES = (torch.bfloat16, torch.float16)
+# The backward quantizes dy both ways (rows for the dgrad, columns for the wgrad) from two reads of dy instead of
+# four (`quantize_rows_and_cols_t`); KERNELKIT_FP8_DY_ONE_READ=0 runs quantize_rows and quantize_cols_t apart.
+DY_ONE_READ = switches.on("KERNELKIT_FP8_DY_ONE_READ")
 ALIGN = 16  # K and N of every fp8 GEMM (torch._scaled_mm's rule; kernelkit's TMA path wants 16-byte rows too)
 
 
@@ -186,12 +190,15 @@ class _Fp8Linear(torch.autograd.Function):
         weight, *x_cols = ctx.saved_tensors
         dy = dy.contiguous()
         dx = dw = db = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and DY_ONE_READ:
+            (gq, sg), (gtq, sgt) = quantize_rows_and_cols_t(dy)  # both of dy's quantizations from two reads
+        else:
+            gq, sg = quantize_rows(dy) if ctx.needs_input_grad[0] else (None, None)  # (T, N) per token
+            gtq, sgt = quantize_cols_t(dy) if ctx.needs_input_grad[1] else (None, None)  # (N, T) per output channel
         if ctx.needs_input_grad[0]:
-            gq, sg = quantize_rows(dy)  # (T, N) per token
             wtq, swt = _weight("cols", weight, ctx.cache, quantize_cols_t)  # (K, N) per input channel
             dx = _gemm(gq, sg, wtq, swt, None, dy.dtype)
         if ctx.needs_input_grad[1]:
-            gtq, sgt = quantize_cols_t(dy)  # (N, T) per output channel
             xtq, sxt = x_cols  # (K, T) per input channel, made in the forward
             dw = _gemm(gtq, sgt, xtq, sxt, None, weight.dtype)
         if ctx.shared is not None:

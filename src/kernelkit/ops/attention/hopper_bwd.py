@@ -1,7 +1,7 @@
 """Attention backward's dK / dV on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
 
 A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
-streams (query, dO) tiles of BLOCK_M (32) rows through a ring of STAGES slots with TMA: every query block of every query
+streams (query, dO) tiles of BLOCK_M[d] rows (64 at d64, 32 at d128) through a ring of STAGES slots with TMA: every query block of every query
 head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
 query block, runs on wgmma:
 
@@ -37,7 +37,9 @@ from . import hopper as _fwd
 
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N
-BLOCK_M = 32  # queries per step: with 64, dK, dV (64 + 64 fp32 registers) and the 64 x 64 score tiles spilled
+# Queries per step, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a thread, and the 64 x 64 score
+# tiles); at d64 the accumulators are half that.
+BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
@@ -227,7 +229,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, st
     rows = gl.NVMMASharedLayout.get_default_for([HALF_N, d], _fwd._GL[q.dtype])
     grid = (-(-seq_k // BLOCK_N), batch * hk)
     attn_bwd_dkdv_hopper_kernel[grid](
-        _fwd._desc(q, BLOCK_M), _fwd._desc(do, BLOCK_M), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
+        _fwd._desc(q, BLOCK_M[d]), _fwd._desc(do, BLOCK_M[d]), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, lse2.stride(0), lse2.stride(1), seq_q, seq_k,
         hk, hq // hk, scale, scale * 1.4426950408889634, CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -300,6 +300,74 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
 
 
+# --- both quantizations of one 2-D tensor from two reads: an fp8 Linear's output gradient dy ---
+
+# (BLOCK_R, BLOCK_C, num_warps) of the two kernels below. Not tuned on a GPU yet.
+ROWS_COLS_TILE = (64, 128, 8)
+
+
+@triton.jit
+def amax_rows_cols_kernel(X, RA, CA, R, C, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """First read: each (row block, column block) tile's |x| max per row and per column, folded into RA (R,) and CA
+    (C,) with integer atomic max on the fp32 bits (for non-negative floats the bits order as the values do, and a
+    NaN's, sign cleared by the abs, order above inf: NaN spreads as in quantize_rows). RA and CA start at 0."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = rows < R, cols < C
+    v = tl.abs(tl.load(X + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                       other=0.0).to(tl.float32))
+    tl.atomic_max(RA + rows, tl.reduce(v, 1, max_nan).to(tl.int32, bitcast=True), mask=r_ok)
+    tl.atomic_max(CA + cols, tl.reduce(v, 0, max_nan).to(tl.int32, bitcast=True), mask=c_ok)
+
+
+@triton.jit
+def quantize_rows_cols_t_kernel(X, RA, CA, QR, SR, QC, SC, R, C, stride_r, tiny, BLOCK_R: tl.constexpr,
+                                BLOCK_C: tl.constexpr):
+    """Second read: the tile quantized both ways, QR (R, C) per row and QC (C, R) per column (transposed), with
+    quantize_rows' scale and clamp (bit for bit quantize_rows(x) and quantize_cols_t(x)). The first column block
+    writes the row scales, the first row block the column scales."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = rows < R, cols < C
+    mask = r_ok[:, None] & c_ok[None, :]
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    v = tl.load(X + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rs = fp8_scale(tl.load(RA + rows, mask=r_ok, other=0).to(tl.float32, bitcast=True), tiny, X.dtype.element_ty)
+    cs = fp8_scale(tl.load(CA + cols, mask=c_ok, other=0).to(tl.float32, bitcast=True), tiny, X.dtype.element_ty)
+    tl.store(QR + rows64[:, None] * C + cols[None, :], e4m3_bits(fp8_clamp(v, rs[:, None])), mask=mask)
+    tl.store(QC + cols64[None, :] * R + rows[:, None], e4m3_bits(fp8_clamp(v, cs[None, :])), mask=mask)
+    if pid_c == 0:
+        tl.store(SR + rows, rs, mask=r_ok)
+    if pid_r == 0:
+        tl.store(SC + cols, cs, mask=c_ok)
+
+
+def quantize_rows_and_cols_t(t: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                       tuple[torch.Tensor, torch.Tensor]]:
+    """(quantize_rows(t), quantize_cols_t(t)) of a 2-D t (R, C), bit for bit, from two reads of t instead of four:
+    one for both amaxes, one that writes both quantizations. The fp8 Linear's backward quantizes dy both ways (its
+    rows for the dgrad, its columns for the wgrad). On a GPU and in the interpreter two Triton kernels; elsewhere
+    the two references."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize_rows_and_cols_t takes a 2-D tensor, got shape {tuple(t.shape)}")
+    if not (t.is_cuda or interpreting()) or t.numel() == 0:
+        return quantize_rows_reference(t), quantize_cols_t_reference(t)
+    x = t if t.stride(-1) == 1 else t.contiguous()
+    r, c = x.shape
+    ra, ca = torch.zeros(r, dtype=torch.int32, device=t.device), torch.zeros(c, dtype=torch.int32, device=t.device)
+    qr = torch.empty((r, c), dtype=torch.uint8, device=t.device)  # e4m3 bits (e4m3_bits), viewed as fp8 below
+    qc = torch.empty((c, r), dtype=torch.uint8, device=t.device)
+    sr = torch.empty(r, dtype=torch.float32, device=t.device)
+    sc = torch.empty(c, dtype=torch.float32, device=t.device)
+    block_r, block_c, warps = ROWS_COLS_TILE
+    grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+    amax_rows_cols_kernel[grid](x, ra, ca, r, c, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    quantize_rows_cols_t_kernel[grid](x, ra, ca, qr, sr, qc, sc, r, c, x.stride(0), torch.finfo(t.dtype).tiny,
+                                      BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return (qr.view(torch.float8_e4m3fn), sr), (qc.view(torch.float8_e4m3fn), sc)
+
+
 SEGMENT_PAD = 128  # quantize_segments_t pads each expert's segment to this many rows: the fp8 wgrad's K steps
 
 
