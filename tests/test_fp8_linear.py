@@ -171,9 +171,14 @@ def test_bench_model_precision_fp8_puts_fp8_rows_next_to_bf16():
 # --- the LM head in fp8: linear_cross_entropy(precision="fp8") and patch(precision="fp8", fp8_lm_head=...) ---
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,reduction", [(torch.bfloat16, "mean"), (torch.float16, "sum")])
-def test_fp8_lm_head_against_float64_of_its_quantized_operands(dtype, reduction, device):
+@pytest.mark.parametrize("dtype,reduction,split", [(torch.bfloat16, "mean", False), (torch.float16, "sum", False),
+                                                   (torch.bfloat16, "mean", True)])
+def test_fp8_lm_head_against_float64_of_its_quantized_operands(dtype, reduction, split, device, monkeypatch):
+    from kernelkit.ops import linear_cross_entropy as lce
     from kernelkit.ops.linear_cross_entropy import linear_cross_entropy
+
+    if split:  # each chunk's dlogits quantized and multiplied in FP8_DH_SPLIT parts (at 16-row chunks: 8 + 8)
+        monkeypatch.setattr(lce, "ROW_ALIGN", 4)
 
     g = torch.Generator().manual_seed(3)
     t, h, v = 40, 32, 272  # chunks of 16: two full and a tail of 8

@@ -22,6 +22,7 @@ interpreter the quantizers run their torch reference and the GEMM the interprete
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -110,16 +111,16 @@ class SharedInputs:
     q, k and v read one tensor, gate and up another, and each quantized it on its own (rows in the forward, columns
     in the backward). One per patched model (`kernelkit.patch(model, precision="fp8")`).
 
-    The last input is kept (the tensor itself, so its storage cannot be freed and reused while kept) with the key
-    it was seen under: its storage's address, offset, shape, strides, dtype and version counter. A reader whose
-    input has the same key reads the same bytes (an in-place write moves the counter; a write through ``.data``
-    does not: call `clear()` after one) and takes the kept rows. A new input replaces the kept one and drops its
-    rows (one activation's fp8 copy is kept at a time, 1 byte per element); the first backward drops the last
-    one. Bypassed under torch.compile (the Linears quantize on their own there) and for inference tensors (no
-    version counter)."""
+    The last input is kept by a weak reference, with the key it was seen under: its storage's address, offset,
+    shape, strides, dtype and version counter. A reader whose input has the same key while the kept tensor is
+    alive reads the same bytes (an in-place write moves the counter; a write through ``.data`` does not: call
+    `clear()` after one) and takes the kept rows. When the kept tensor dies (its last reader is done with it), its
+    rows go with it, so no fp8 copy outlives the activation, and a new tensor on the freed storage is a miss. A
+    new input replaces the kept one and drops its rows; the first backward drops the last one. Bypassed under
+    torch.compile (the Linears quantize on their own there) and for inference tensors (no version counter)."""
 
     def __init__(self):
-        self._kept = None  # (tensor, key, SharedInput)
+        self._kept = None  # (weak reference to the tensor, key, SharedInput)
 
     def __deepcopy__(self, memo):  # a copied model shares nothing with this one
         return SharedInputs()
@@ -130,12 +131,19 @@ class SharedInputs:
                 x._version)
 
     def _keep(self, x, entry):
-        old = self._kept
+        old, self._kept = self._kept, None
         if old is not None:
             old[2].rows = old[2].cols = None  # the readers' contexts keep the columns they need
             if old[2].origin is not None:  # tell the producer whether its rows were read (see offer)
                 old[2].origin(old[2].hits > 0)
-        self._kept = None if x is None else (x, self._key(x), entry)
+        if x is not None:
+            self._kept = (weakref.ref(x, self._gone), self._key(x), entry)
+
+    def _gone(self, ref) -> None:
+        """The kept tensor died: its rows are freed with it (called by the weak reference)."""
+        kept = self._kept
+        if kept is not None and kept[0] is ref:
+            self._keep(None, None)
 
     def clear(self) -> None:
         """Forget the kept input (its rows; backwards under way keep their columns)."""
@@ -151,7 +159,7 @@ class SharedInputs:
         if self.bypassed(x):
             return None
         kept = self._kept
-        if kept is not None and kept[1] == self._key(x):
+        if kept is not None and kept[0]() is not None and kept[1] == self._key(x):
             return kept[2]
         entry = SharedInput(self)
         self._keep(x, entry)

@@ -60,6 +60,8 @@ from .registry import OpSpec, optional_import, register
 # A chunk's logits (rows x V in the activations' dtype) stay under this budget: the smallest that ran as
 # fast as any larger one in the H100 chunk sweep (module docstring); a smaller chunk trades time for memory.
 MAX_CHUNK_BYTES = 512 << 20
+# fp8: each chunk's dlogits are quantized and multiplied into dhidden in this many parts of its rows
+FP8_DH_SPLIT = 2
 # Chunk rows are a multiple of this (when a chunk has more rows): no GEMM tile runs a ragged edge.
 ROW_ALIGN = 128
 # Up to this many chunks bf16/fp16 dweight accumulates in place (one rounding per chunk); beyond, in fp32.
@@ -259,13 +261,18 @@ class _Grads:
 
     def add_chunk(self, dlogits, h_chunk, start):
         if self.wt8 is not None:
-            dq, ds = quantize_rows(dlogits)
-            rows = self.dh[start:start + dlogits.shape[0]]
-            if self.dh32 is not None:  # fp16: the fp32 product, scaled, then rounded once
-                rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, torch.float32).mul_(self.post))
-            else:
-                rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, dlogits.dtype))
-            dq = ds = None
+            # dlogits' e4m3 rows in FP8_DH_SPLIT parts (1 byte a logit each): the chunk's peak stays near the bf16
+            # path's (fewer rows per chunk would cost a pass over dweight per extra chunk instead)
+            n = dlogits.shape[0]
+            part = cdiv(n, FP8_DH_SPLIT) if n >= FP8_DH_SPLIT * ROW_ALIGN else n
+            for p in range(0, n, part):
+                dq, ds = quantize_rows(dlogits[p:p + part])
+                rows = self.dh[start + p:start + p + dq.shape[0]]
+                if self.dh32 is not None:  # fp16: the fp32 product, scaled, then rounded once
+                    rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, torch.float32).mul_(self.post))
+                else:
+                    rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, dlogits.dtype))
+                dq = ds = None
         elif self.dh32 is not None:  # fp32 product, scaled, then rounded once
             acc = self.dh32[:dlogits.shape[0]]
             if acc.is_cuda:

@@ -15,13 +15,19 @@ import json
 from collections import defaultdict
 
 
-def where(frames) -> str:
-    """The innermost frame in the project, else in transformers, else the first Python frame."""
+def _short(f) -> str:
+    name = f.get("filename", "")
+    return f"{name.split('site-packages/')[-1].split('src/')[-1]}:{f.get('line')} {f.get('name')}"
+
+
+def where(frames, depth: int = 3) -> str:
+    """The innermost `depth` frames in kernelkit (the allocator wrappers skipped), else in transformers, else in
+    torch, joined innermost first."""
     for key in ("kernelkit/", "transformers/", "torch/_functorch", "torch/autograd", "torch/"):
-        for f in frames:
-            name = f.get("filename", "")
-            if key in name and not name.endswith(("memory.py", "__init__.py")):
-                return f"{name.split('site-packages/')[-1].split('src/')[-1]}:{f.get('line')} {f.get('name')}"
+        got = [f for f in frames if key in f.get("filename", "")
+               and not f.get("filename", "").endswith(("runtime/alloc.py", "memory.py"))]
+        if got:
+            return " < ".join(_short(f) for f in got[:depth])
     return "(no Python frame)"
 
 
@@ -43,6 +49,8 @@ def analyse(snapshot, before: int) -> dict:
 
     _, peak, peak_at = replay()
     at_peak = {a: (size, where(frames)) for a, (size, frames) in replay(peak_at + 1)[0].items()}
+    peak_event = [_short(f) for f in events[peak_at].get("frames", [])
+                  if any(k in f.get("filename", "") for k in ("kernelkit/", "transformers/", "torch/"))][:12]
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, site in at_peak.values():
         groups[site][0] += size
@@ -50,6 +58,7 @@ def analyse(snapshot, before: int) -> dict:
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:40]
     return {"before_step_gib": before / 2**30, "peak_in_step_gib": peak / 2**30,
             "peak_total_gib": (before + peak) / 2**30,
+            "peak_event": peak_event, "peak_event_index": [peak_at, len(events)],
             "alive_at_peak": [{"site": s, "gib": b / 2**30, "tensors": n} for s, (b, n) in top]}
 
 
@@ -100,7 +109,8 @@ def main() -> None:
         json.dump(res, f, indent=1)
     print(f"{a.variant}{' +compile' if a.compile else ''}: peak {res['max_memory_allocated_gib']:.2f} GiB "
           f"(before the step {res['before_step_gib']:.2f})")
-    for g in res["alive_at_peak"][:15]:
+    print("  the allocation at the peak:", " < ".join(res["peak_event"][:6]))
+    for g in res["alive_at_peak"][:25]:
         print(f"  {g['gib']:7.3f} GiB  {g['tensors']:4d}  {g['site']}")
 
 
