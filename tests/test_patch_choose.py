@@ -259,13 +259,55 @@ def test_fp8_linears_run_in_fp8_only_where_measured_faster(winner, fake_timer, m
     model.train()
     model(batch()[0], labels=batch()[1]).loss.backward()
     keys = {key for kind, key in log if kind == "fp8"}
-    # q/o, k/v, gate/up, down: one decision per (tokens, out, in) shape, not per module
-    assert {k[1:3] for k in keys} == {(64, 64), (32, 64), (128, 64), (64, 128)} and len(keys) == 4
+    # q/o, k/v, gate/up, down: one decision per (tokens, out, in) shape, not per module; and per whether x's rows
+    # were already made (in fp8, k/v and up read the rows q and gate made: gate and up are then two decisions)
+    assert {k[1:3] for k in keys} == {(64, 64), (32, 64), (128, 64), (64, 128)}
+    assert {k[1:3] for k in keys if k[-1]} == ({(32, 64), (128, 64)} if winner == "kernelkit" else set())
+    assert len(keys) == (5 if winner == "kernelkit" else 4)
     assert bool(calls) == (winner == "kernelkit")
     fp8 = [c for c in report.choices.values() if c.kind == "fp8"]
     assert fp8 and all(c.use_kernelkit == (winner == "kernelkit") for c in fp8)
     trial = modules._fp8_trial(None, next(iter(keys)))
     assert trial.wrt and trial.kernelkit().shape == trial.original().shape
+
+
+@needs_kernels
+def test_fp8_trials_of_linears_whose_rows_are_made_upstream_do_not_quantize_them(fake_timer, monkeypatch):
+    """With the fused producers (the norms write q/k/v's and gate/up's rows, the SwiGLU down's), the decision for
+    those Linears is its own key, and its trial hands the rows in instead of timing their quantization: timed
+    alone, down_proj's fp8 paid a quantization the model does not run and came out level with bf16."""
+    from kernelkit.ops import fp8_linear as F8
+
+    faster, log = fake_timer
+    faster["fp8"] = "kernelkit"
+    monkeypatch.setenv("KERNELKIT_FP8_FUSE", "1")
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1)
+    patch(model, precision="fp8", rms_norm="kernelkit", mlp="kernelkit", rope=False, attention=False,
+          cross_entropy=False)
+    model.train()
+    model(batch()[0], labels=batch()[1]).loss.backward()
+    made = {(k[1], k[2]): k[-1] for kind, k in log if kind == "fp8"}
+    # q and o share a shape: q's rows come from the norm, o's input (attention's output) has none
+    assert made[(32, 64)] and made[(128, 64)] and made[(64, 128)], made
+    key = next(k for kind, k in log if kind == "fp8" and k[1:3] == (128, 64))
+    rows_of_x = []
+    real = F8.quantize_rows
+    def counted(t):
+        if t.shape[0] == key[0]:  # x's rows (tokens first), not the weight's
+            rows_of_x.append(t.shape)
+        return real(t)
+
+    monkeypatch.setattr(F8, "quantize_rows", counted)
+    trial = modules._fp8_trial(None, key)
+    rows_of_x.clear()
+    with torch.no_grad():
+        trial.kernelkit()
+    assert rows_of_x == []  # made upstream: the timed call does not quantize x's rows
+    unmade = modules._fp8_trial(None, key[:-1] + (False,))
+    rows_of_x.clear()
+    with torch.no_grad():
+        unmade.kernelkit()
+    assert len(rows_of_x) == 1
 
 
 def test_in_flight_trials_time_calls_back_to_back(monkeypatch):

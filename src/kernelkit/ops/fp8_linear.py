@@ -165,6 +165,12 @@ class SharedInputs:
         self._keep(x, entry)
         return entry
 
+    def has_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are kept, made by its producer or an earlier reader (the next reader takes them)."""
+        kept = self._kept
+        return (not self.bypassed(x) and kept is not None and kept[2].rows is not None and kept[0]() is not None
+                and kept[1] == self._key(x))
+
     def offer(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, origin=None) -> None:
         """Keep `quantize_rows(x)` (q, scale), made by the op that wrote x (the RMSNorm before q/k/v), for the fp8
         Linears that read x next. `origin(read)`, if given, is called when x stops being kept: read says whether

@@ -22,6 +22,7 @@ from ..ops import glu
 from . import choose
 from ..ops._validate import is_dtensor
 from ..ops.fp8_linear import SharedInputs, fp8_linear, takes_input as fp8_takes_input
+from ..ops.gemm.fp8 import quantize_rows
 from ..ops.fp8_linear import unsupported as fp8_unsupported
 from ..ops.moe import moe_experts
 from ..ops.rms_norm import rms_norm, rms_norm_fp8
@@ -404,8 +405,11 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     if kk.token is not None:
         n, k = self.weight.shape
+        # made: x's rows are already kept (its producer wrote them, or an earlier reader of x made them), so the
+        # trial times fp8 without quantizing x's rows, as this call runs
+        made = kk.shared is not None and kk.shared.has_rows(x)
         key = (choose.bucket(x.numel() // max(k, 1)), n, k, choose.dtype_name(x.dtype), self.bias is not None,
-               choose.needs_grad(x, self.weight, self.bias))
+               choose.needs_grad(x, self.weight, self.bias), made)
         if not choose.decide(kk.token, key):
             return torch.nn.functional.linear(x, self.weight, self.bias)
     return fp8_linear(x, self.weight, self.bias, kk.cache, kk.shared if not choose.measuring() else None)
@@ -415,22 +419,31 @@ FP8_IN_FLIGHT = 8  # calls timed back to back per sample of the fp8 trial (choos
 
 
 def _fp8_trial(_owner, key) -> choose.Trial:
-    tokens, n, k, dtype, bias, grad = key
+    tokens, n, k, dtype, bias, grad, made = key
     dt, dev = getattr(torch, dtype), choose.device()
     g = choose.generator(dev)
     x = choose.randn((tokens, k), dt, dev, g, grad)
     w = choose.randn((n, k), dt, dev, g, grad, scale=k ** -0.5)
     b = choose.randn((n,), dt, dev, g, grad) if bias else None
     wrt = [t for t in (x, w, b) if t is not None] if grad else []
+    if made:  # x's rows come with it (made upstream): hand them in, as SharedInputs does in the model
+        shared, rows = SharedInputs(), quantize_rows(x.detach())
+
+        def kernelkit():
+            shared.offer(x, *rows)
+            return fp8_linear(x, w, b, None, shared)
+    else:
+        def kernelkit():
+            return fp8_linear(x, w, b)
     # in flight: the many short launches of the fp8 path (quantizations beside each GEMM) cost only where the host,
     # not the GPU, is the bottleneck (small token counts); timed one at a time, fp8 lost even where it wins in a step
-    return choose.Trial(lambda: fp8_linear(x, w, b), lambda: torch.nn.functional.linear(x, w, b), wrt,
-                        in_flight=FP8_IN_FLIGHT)
+    return choose.Trial(kernelkit, lambda: torch.nn.functional.linear(x, w, b), wrt, in_flight=FP8_IN_FLIGHT)
 
 
 def _fp8_shape(key) -> str:
-    tokens, n, k, dtype, bias, grad = key
-    return f"{tokens} tokens x {k} -> {n} {dtype}{' +bias' if bias else ''} {'fwd+bwd' if grad else 'fwd'}"
+    tokens, n, k, dtype, bias, grad, made = key
+    return (f"{tokens} tokens x {k} -> {n} {dtype}{' +bias' if bias else ''} {'fwd+bwd' if grad else 'fwd'}"
+            f"{', input rows made upstream' if made else ''}")
 
 
 def fp8_site(modes: dict, report: PatchReport) -> choose.Site:
