@@ -54,6 +54,8 @@ SWITCHES = {s.name: s for s in (
            "(two)"),
     Switch("KERNELKIT_FP8_FUSE", "1", ("0", "1"), "call",
            "`0`: `kernelkit.patch(precision='fp8')` (read when it patches) neither shares an input's fp8 quantization among the Linears that read it nor has the RMSNorms and SwiGLUs write it (A/B)"),
+    Switch("KERNELKIT_PATCH_FUSE_ADD", "1", ("0", "1"), "call",
+           "`0`: `kernelkit.patch` (read when it patches) leaves the decoder layers' forward alone instead of fusing the post-attention residual add into the RMSNorm (A/B)"),
     Switch("KERNELKIT_PATCH_CHOICE", "auto", ("auto", "kernelkit"), "call",
            "what a `kernelkit.patch` switch left True means: `auto` (kernelkit only where measured faster, per shape) or `kernelkit` (always)"),
     Switch("KERNELKIT_NCU", "", (), "call", "path of Nsight Compute's `ncu` for `kernelkit ladder` (default: on PATH)"),

@@ -8,6 +8,8 @@ One table-driven patcher (`families.FAMILIES`, one row per model family) serves 
 the instance, never its class: another model of the same class in the process keeps its code.
 - RMSNorms and gated MLPs get a bound `forward` on the instance (`modules.py`); parameters stay where
   they are, so the state_dict is unchanged, shared, never copied.
+- Decoder layers whose forward is the plain pre-norm sequence get a bound `forward` that runs the
+  post-attention residual add inside the RMSNorm's pass (`decoder.py`, with the norms' switch).
 - Attention modules get a bound `forward`: the class's own function with the module-level rope function
   swapped for kernelkit's (`modules.with_globals`); the rotary module still computes cos/sin, so every
   rope scaling (Llama 3, YaRN, Phi-3's long rope) works unchanged.
@@ -186,6 +188,16 @@ def _patch_attention(model, fam: Family, report, undo, modes) -> None:
                     f"model as trained)")
 
 
+def _patch_decoders(model, fam: Family, report, undo, modes, precision: str = "bf16") -> None:
+    from .decoder import patch_decoders
+
+    if precision == "fp8":
+        report.skip("decoder layers (residual add into the norm)",
+                    "precision='fp8': the post-attention norm writes gate/up's fp8 rows in its pass instead")
+    elif switches.on("KERNELKIT_PATCH_FUSE_ADD"):
+        patch_decoders(model, report, undo, types.MethodType)
+
+
 def _patch_loss(model, fam: Family, report, undo, modes, precision: str = "bf16") -> None:
     from .loss import causal_lm_forward, loss_settings, loss_site
 
@@ -282,11 +294,11 @@ def patch(model: torch.nn.Module, *, rms_norm=True, mlp=True, rope=True, attenti
         raise ValueError(f"kernelkit.patch: fp8_lm_head={fp8_lm_head!r} is not True or False")
     lm_precision = "fp8" if precision == "fp8" and fp8_lm_head else "bf16"
     steps = {"rms_norm": _patch_norms, "mlp": _patch_mlps, "moe": _patch_moe, "rope": _patch_rope,
-             "attention": _patch_attention,
+             "attention": _patch_attention, "decoder": lambda *a: _patch_decoders(*a, precision=precision),
              "cross_entropy": lambda *a: _patch_loss(*a, precision=lm_precision)}
     try:
         for kind, step in steps.items():
-            if modes[kind] is not None:
+            if modes["rms_norm" if kind == "decoder" else kind] is not None:  # the fused add goes with the norms
                 step(model, fam, report, undo, modes)
         if precision == "fp8":
             _patch_fp8(model, report, undo, keep_quantized_weights,

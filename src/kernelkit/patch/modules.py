@@ -87,10 +87,17 @@ def norm_forward(self, x: torch.Tensor) -> torch.Tensor:
         kk.report.fell_back("rms_norm", CPU_REASON if not runs_kernels(x) else DTENSOR_REASON if any_dtensor(x, w)
                             else "weight dtype differs from input")
         return type(self).forward(self, x)
-    key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype), choose.needs_grad(x, w))
-    if kk.token is not None and not choose.decide(kk.token, key):
+    if not norm_decides(self, x):
         return type(self).forward(self, x)
     return _norm(self, x, fp8=True)
+
+
+def norm_decides(module, x: torch.Tensor) -> bool:
+    """Whether the patched norm runs kernelkit's kernel on x: its measured choice at x's shape (`choose`)."""
+    kk: NormSettings = module._kernelkit
+    key = (choose.bucket(x.numel() // x.shape[-1]), x.shape[-1], choose.dtype_name(x.dtype),
+           choose.needs_grad(x, module.weight))
+    return kk.token is None or choose.decide(kk.token, key)
 
 
 def _norm(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:

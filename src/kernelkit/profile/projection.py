@@ -35,7 +35,7 @@ ROOFLINE_EFFICIENCY = 0.9
 RESULTS = results.RESULTS  # the folder of per-GPU results tables, in a source checkout
 
 # The kernelkit.patch switch (keyword of kernelkit.patch) that puts each registry op into a Hugging Face model.
-PATCH_SWITCH = {"rms_norm": "rms_norm", "swiglu": "mlp", "geglu": "mlp", "rope": "rope", "attention": "attention",
+PATCH_SWITCH = {"rms_norm": "rms_norm", "add_rms_norm": "rms_norm", "swiglu": "mlp", "geglu": "mlp", "rope": "rope", "attention": "attention",
                 "cross_entropy": "cross_entropy", "linear_cross_entropy": "cross_entropy"}
 SWITCHES = ("rms_norm", "mlp", "rope", "attention", "cross_entropy")
 
@@ -236,8 +236,10 @@ def patch_coverage(model) -> dict:
         return {"error": " ".join(str(e).split())[:300]}
     kpatch.unpatch(model)
     replaced: dict[str, list[str]] = {}
-    for r in report.replaced:
-        replaced.setdefault(r.kind, []).append(r.target)
+    for r in report.replaced:  # by switch: the decoder layers' fused add goes with the norms
+        targets = replaced.setdefault(PATCH_SWITCH.get(r.kind, r.kind), [])
+        if r.target not in targets:
+            targets.append(r.target)
     return {"family": report.family, "replaced": replaced, "skipped": [list(s) for s in report.skipped]}
 
 
