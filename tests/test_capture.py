@@ -58,8 +58,9 @@ def test_packed_attention_under_capture_needs_max_seqlen(capturing):
     naming the argument, before anything reads them; with it the call goes on (here: to the interpreter)."""
     import kernelkit
 
-    q = k = v = torch.randn(10, 2, 16, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine the CPU tensors would be refused first
+    q = k = v = torch.randn(10, 2, 16, dtype=torch.bfloat16, device=dev)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="max_seqlen is needed with cu_seqlens inside a CUDA graph capture"):
         kernelkit.attention(q, k, v, cu_seqlens=cu)
 
