@@ -239,6 +239,18 @@ def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
 
 
+_LAYOUTS: dict = {}
+
+
+def _layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a TMA box, made once per (box, dtype): building it took about 10 us of host time
+    per descriptor, three descriptors per GEMM call (host-bound at the attention projections' shapes)."""
+    got = _LAYOUTS.get((block, dtype))
+    if got is None:
+        got = _LAYOUTS[(block, dtype)] = gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+    return got
+
+
 def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scaling: tuple, num_programs: int,
                    stages: int = STAGES) -> None:
     """out = (a * scale_a) @ (b * scale_b) + bias through fp8_precise_kernel (see `supports`). a_scaling and
@@ -250,8 +262,7 @@ def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scalin
     n = b.shape[1]
 
     def desc(t, shape, strides, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-        return TensorDescriptor(t, shape, strides, block, layout)
+        return TensorDescriptor(t, shape, strides, block, _layout(tuple(block), t.dtype))
 
     a_desc = desc(a, [m, k], [a.stride(0), 1], [BLOCK_M // 2, BLOCK_K])  # one 64-row half per consumer
     b_desc = desc(b, [n, k], [b.stride(1), 1], [BLOCK_N, BLOCK_K])  # b (K, N) column-major: w (N, K) row-major
