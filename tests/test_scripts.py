@@ -14,7 +14,8 @@ from kernelkit.testing import results
 from tests.conftest import INTERPRET
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py", "coop_sanitize.py"}
+TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py", "coop_sanitize.py",
+          "fp8_table.sh"}
 
 
 def run_script(name: str, *argv: str) -> int:
@@ -45,6 +46,17 @@ def test_gpu_check_parses_and_every_script_it_runs_exists():
     paths = set(re.findall(r"\b((?:scripts|benchmarks)/[\w./-]+\.py)\b", text))
     assert "scripts/host_time.py" in paths and "benchmarks/gemm.py" in paths
     assert [p for p in sorted(paths) if not (SCRIPTS.parent / p).is_file()] == []
+
+
+def test_fp8_table_parses_and_runs_known_variants():
+    """Issue 30's table script: bash syntax, the module it runs, and every default variant is one model_bench has."""
+    from kernelkit.testing.model_bench import VARIANTS
+
+    subprocess.run(["bash", "-n", str(SCRIPTS / "fp8_table.sh")], check=True)
+    text = (SCRIPTS / "fp8_table.sh").read_text()
+    assert "-m kernelkit.testing.model_bench" in text
+    default = re.search(r"VARIANTS:-([^}]*)}", text).group(1).split()
+    assert default and set(default) <= set(VARIANTS)
 
 
 def test_multi_gpu_check_parses_and_its_modules_exist():
