@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.rms_norm import add_rms_norm
+from .modules import any_dtensor, norm_decides, runs_kernels
 from .report import PatchReport
 
 # The forward's statements, in order, with whitespace and the self_attn call's arguments stripped.
@@ -103,8 +104,6 @@ def decoder_forward(self, *args, **kwargs):
 def _fuses(norm, x: torch.Tensor, residual: torch.Tensor) -> bool:
     """Whether the norm would run kernelkit's kernel on x + residual (its patched forward's own tests, in the same
     order) and does not write fp8 rows."""
-    from .modules import any_dtensor, norm_decides, runs_kernels
-
     settings = vars(norm).get("_kernelkit")
     if settings is None or "forward" not in vars(norm) or not hasattr(settings, "eps_attr"):
         return False  # the norm is not kernelkit's (unpatched, or rms_norm=False)
@@ -121,12 +120,10 @@ def _fuses(norm, x: torch.Tensor, residual: torch.Tensor) -> bool:
 
 def _hooked(module: torch.nn.Module) -> bool:
     """Whether calling the module runs hooks (its own or every module's) besides its forward."""
-    from torch.nn.modules import module as M
-
     own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     every = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
              "_global_backward_pre_hooks")
-    return any(getattr(module, a, None) for a in own) or any(getattr(M, a, None) for a in every)
+    return any(getattr(module, a, None) for a in own) or any(getattr(torch.nn.modules.module, a, None) for a in every)
 
 
 def patch_decoders(model, report: PatchReport, undo, bind) -> None:
