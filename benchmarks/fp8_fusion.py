@@ -13,7 +13,12 @@
 (c) `dy`: an fp8 Linear's output gradient quantized both ways (`quantize_rows_and_cols_t`: two reads of dy) against
     `quantize_rows` then `quantize_cols_t` (four reads) and torch.compile of the two references; ideal bytes: dy
     read once, both e4m3 copies and their scales written.
-(d) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
+(d) `lmhead`: the fused LM head and loss (`linear_cross_entropy`), forward + backward, at the 8B step's (8192 tokens x
+    4096 -> 128256) and the 1B step's (16384 x 2048 -> 128256) shapes: precision="fp8" with dlogits' e4m3 rows
+    written by the cross-entropy kernel (KERNELKIT_FP8_CE_FUSE=1) and with a quantize_rows pass (=0), precision
+    "bf16", and torch.compile of F.linear + F.cross_entropy in bf16; do_bench medians, TFLOP/s of the three GEMMs
+    (6 T H V), and the quantization kernels' ms per call (torch.profiler).
+(e) `step`: the Llama-3-8B-shaped training step of `kernelkit bench model` (2 layers, 4 x 2048 tokens), patched
     with precision="fp8", eager and + torch.compile, with the sharing, the fused norm and SwiGLU and dy's two-read
     quantization (KERNELKIT_FP8_FUSE=1, KERNELKIT_FP8_DY_ONE_READ=1)
     and without (=0): ms per step, kernels per step and the quantization kernels' ms (torch.profiler over two
@@ -37,6 +42,7 @@ from pathlib import Path
 
 NORM_SHAPES = ((8192, 4096), (16384, 4096), (16384, 2048))  # tokens x hidden: the 8B and 1B steps' norms
 SWIGLU_SHAPES = ((8192, 14336), (16384, 8192))  # tokens x MLP width: the 8B and 1B steps' SwiGLUs
+LMHEAD_SHAPES = ((8192, 4096, 128256), (16384, 2048, 128256))  # tokens x hidden -> vocabulary: the 8B and 1B steps
 DY_SHAPES = ((8192, 4096), (8192, 1024), (8192, 14336), (16384, 2048), (16384, 8192))  # tokens x out features
 STEP_ROWS = (("kernelkit-fp8", "1"), ("kernelkit-fp8", "0"), ("kernelkit-fp8+compile", "1"),
              ("kernelkit-fp8+compile", "0"))
@@ -170,6 +176,78 @@ def bench_dy(shapes, measure_ceiling: bool, progress) -> list[dict]:
     return rows
 
 
+def bench_lmhead(shapes, progress) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    from kernelkit.ops.linear_cross_entropy import linear_cross_entropy
+
+    compiled = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t))
+    rows = []
+    for t, h, v in shapes:
+        progress(f"lmhead {t}x{h}->{v}")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) / h ** 0.5).requires_grad_()
+        tgt = torch.randint(0, v, (t,), device="cuda", generator=g)
+
+        def run(fn):
+            def go():
+                x.grad = w.grad = None
+                fn().backward()
+            return go
+
+        paths = {
+            "fp8, dlogits quantized in the CE kernel": ("1", run(lambda: linear_cross_entropy(x, w, tgt, precision="fp8"))),
+            "fp8, quantize_rows pass": ("0", run(lambda: linear_cross_entropy(x, w, tgt, precision="fp8"))),
+            "bf16 (kernelkit)": ("1", run(lambda: linear_cross_entropy(x, w, tgt))),
+            "torch.compile (bf16 GEMMs, fp32 loss)": ("1", run(lambda: compiled(x, w, tgt))),
+        }
+        row = {"tokens": t, "hidden": h, "vocab": v, "ms": {}, "tflops": {}, "quantize_ms": {}, "loss": {},
+               "dhidden_rel_vs_bf16": {}}
+        for name, (fuse, fn) in paths.items():
+            os.environ["KERNELKIT_FP8_CE_FUSE"] = fuse
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = do_bench(fn, return_mode="median", rep=300)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+                qms = sum(e.device_time_total for e in prof.key_averages() if "quantize" in e.key) / 1e3
+                row["ms"][name], row["quantize_ms"][name] = ms, qms
+                row["tflops"][name] = 6 * t * h * v / ms / 1e9
+                x.grad = None
+                loss = (linear_cross_entropy(x, w, tgt, precision="fp8") if name.startswith("fp8")
+                        else linear_cross_entropy(x, w, tgt) if "kernelkit" in name else compiled(x, w, tgt))
+                loss.backward()
+                row["loss"][name] = loss.item()
+                row.setdefault("_dh", {})[name] = x.grad.float().clone()
+                progress(f"  {name}: {ms:.2f} ms ({row['tflops'][name]:.0f} TFLOP/s), quantization {qms:.2f} ms, "
+                         f"loss {row['loss'][name]:.5f}")
+            except Exception as e:  # noqa: BLE001  (a row that fails is reported, the others still run)
+                row["ms"][name] = None
+                row.setdefault("errors", {})[name] = repr(e)[-500:]
+                progress(f"  {name}: failed: {e!r}"[:400])
+        os.environ.pop("KERNELKIT_FP8_CE_FUSE", None)
+        dh = row.pop("_dh", {})
+        base = dh.get("bf16 (kernelkit)")
+        if base is not None:
+            for name, d in dh.items():
+                row["dhidden_rel_vs_bf16"][name] = float((d - base).norm() / base.norm())
+        a, b = row["ms"].get("fp8, dlogits quantized in the CE kernel"), row["ms"].get("fp8, quantize_rows pass")
+        if a and b:
+            row["fused_speedup_vs_unfused"] = b / a
+            progress(f"  fused {b / a:.3f}x the quantize_rows pass; dhidden vs bf16: "
+                     + ", ".join(f"{k[:24]} {v:.4f}" for k, v in row["dhidden_rel_vs_bf16"].items()))
+        rows.append(row)
+        del x, w, tgt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_step(args, progress, save) -> list[dict]:
     rows = []
     for variant, fuse in STEP_ROWS:
@@ -208,7 +286,7 @@ def bench_step(args, progress, save) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8_fusion.json")
-    ap.add_argument("--part", choices=("norm", "swiglu", "dy", "step", "all"), default="all")
+    ap.add_argument("--part", choices=("norm", "swiglu", "dy", "lmhead", "step", "all"), default="all")
     ap.add_argument("--measure-ceiling", action="store_true", help="measure the copy ceiling (cached per GPU)")
     ap.add_argument("--example", default="llama")
     ap.add_argument("--layers", type=int, default=2)
@@ -235,6 +313,8 @@ def main():
         save("swiglu", bench_swiglu(SWIGLU_SHAPES, args.measure_ceiling, progress))
     if args.part in ("dy", "all"):
         save("dy", bench_dy(DY_SHAPES, args.measure_ceiling, progress))
+    if args.part in ("lmhead", "all"):
+        save("lmhead", bench_lmhead(LMHEAD_SHAPES, progress))
     if args.part in ("step", "all"):
         bench_step(args, progress, lambda rows: save("step", rows))
     save()

@@ -210,6 +210,77 @@ def test_fp8_lm_head_against_float64_of_its_quantized_operands(dtype, reduction,
     assert abs(loss.item() - exact.item()) < 0.02 * abs(exact.item())
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype,weighted", [(torch.bfloat16, False), (torch.float16, True)])
+def test_fp8_lm_head_dlogits_quantized_by_the_cross_entropy_kernel(dtype, weighted, device, monkeypatch):
+    """The e4m3 dlogits rows and scales the cross-entropy kernel writes (KERNELKIT_FP8_CE_FUSE) against float64 of
+    the same logits: each row's scale is its amax / 448 (rounded to the dtype), so the target's entry maps to
+    ~448; an ignored row is all zeros with the smallest-normal scale; a NaN row stays NaN. And the unfused path
+    (quantize_rows on the bf16 dlogits) is what runs with the switch off, or with label smoothing."""
+    from kernelkit.ops import linear_cross_entropy as lce
+
+    got, logits_seen = [], []
+    add, ce = lce._Grads.add_dhidden_fp8, lce._ce_forward
+
+    def spy_add(self, dq, ds, start):
+        got.append((start, dq.float().clone(), ds.clone()))
+        return add(self, dq, ds, start)
+
+    def spy_ce(logits, *args, **kw):  # the logits each launch reads, before it overwrites them with dlogits
+        logits_seen.append(logits.detach().double().clone())
+        return ce(logits, *args, **kw)
+
+    monkeypatch.setattr(lce._Grads, "add_dhidden_fp8", spy_add)
+    monkeypatch.setattr(lce, "_ce_forward", spy_ce)
+    monkeypatch.setattr(lce, "ROW_ALIGN", 4)  # 16-row chunks in two parts of 8
+    g = torch.Generator().manual_seed(5)
+    t, h, v = 37, 32, 400
+    x = torch.randn(t, h, generator=g).to(dtype).to(device)
+    x[3] *= 8  # a near-certain row: its amax (1 - p_t) is small, and must stay exact
+    w = (0.3 * torch.randn(v, h, generator=g)).to(dtype).to(device)
+    tgt = torch.randint(0, v, (t,), generator=g).to(device)
+    tgt[3] = (x[3].float() @ w.float().T).argmax()
+    tgt[5] = -100
+    cw = (0.5 + torch.rand(v, generator=g)).to(device) if weighted else None
+    x[11] = float("nan")
+    count = (tgt != -100).sum().item() if not weighted else cw[tgt[tgt != -100]].sum().item()
+    lce.linear_cross_entropy_fwd(x, w, tgt, None, cw, -100, 0.0, 0.0, None, "mean", 16, True, True, False,
+                                 fp8=True)
+    assert len(got) == len(logits_seen) == 5  # three chunks (16, 16, 5 rows): two parts of 8, two, one (under 2 x 4)
+    tiny = torch.finfo(dtype).tiny
+    for (start, q, s), lg in zip(got, logits_seen):
+        rows = torch.arange(start, start + q.shape[0])
+        ref = lg.softmax(-1)
+        tr = tgt[rows].cpu()
+        ok = tr != -100
+        ref[ok, tr[ok]] -= 1
+        ref[~ok] = 0
+        f = cw[tr.clamp_min(0)].cpu().double() if weighted else 1.0
+        # fp16's dlogits carry 2^11 instead of 1 / count (FP16_GRAD_SCALE; the count is applied after the GEMMs)
+        f = f * (lce.FP16_GRAD_SCALE if dtype == torch.float16 else 1.0 / count)
+        ref = ref * (f[:, None] if weighted else f)
+        amax = ref.abs().amax(-1)
+        for i, r in enumerate(rows.tolist()):
+            if r == 11:
+                assert torch.isnan(s[i]).item()
+            elif not ok[i]:
+                assert s[i].item() == tiny and (q[i] == 0).all()
+            else:
+                want = torch.tensor(max(amax[i].item() / 448, tiny)).to(dtype).double().item()
+                assert abs(s[i].item() - want) <= 1e-2 * want, (r, s[i].item(), want)
+                assert 440 <= q[i].abs().max().item() <= 448
+                deq = q[i].double() * s[i].double().cpu()
+                assert ((deq - ref[i]).norm() / ref[i].norm()).item() < 0.04
+    # the unfused path: with the switch off, and with label smoothing (its amax is not known up front)
+    for env, smoothing in (("0", 0.0), ("1", 0.1)):
+        monkeypatch.setenv("KERNELKIT_FP8_CE_FUSE", env)
+        got.clear()
+        logits_seen.clear()
+        lce.linear_cross_entropy_fwd(x, w, tgt, None, cw, -100, smoothing, 0.0, None, "mean", 16, True, True, False,
+                                     fp8=True)
+        assert len(got) == 5 and len(logits_seen) == 3  # one launch a chunk, then quantize_rows part by part
+
+
 def test_fp8_lm_head_refuses_what_it_cannot_take():
     from kernelkit.ops.linear_cross_entropy import fp8_unsupported, linear_cross_entropy
 

@@ -40,6 +40,26 @@ def test_tensor_key_separates_dtype_and_alignment():
         assert len(triton_specs) == 1, f"one key covers Triton specializations {triton_specs}"
 
 
+def test_tensor_descriptor_key_separates_what_triton_separates():
+    """Host TMA descriptors (the fp8 GEMM's) take the lean path: one key per Triton specialization (dtype, box,
+    shared layout), and shape, strides and base pointer (read by the launcher on every launch) do not enter."""
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    keys = {}
+    for dtype, gdt in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16), (torch.float8_e4m3fn, gl.float8e4nv)):
+        for box in ([64, 64], [128, 64], [64, 128]):
+            layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
+            for rows, cols in ((256, 256), (300, 512)):
+                t = torch.empty(rows, cols, dtype=dtype)
+                d = TensorDescriptor(t, [rows, cols], [cols, 1], box, layout)
+                keys.setdefault(tune._spec((d,), {}, 0), set()).add(_triton_spec(d))
+    assert None not in keys
+    assert len(keys) == 9
+    for k, triton_specs in keys.items():
+        assert len(triton_specs) == 1, f"one key {k} covers Triton specializations {triton_specs}"
+
+
 def test_key_covers_types_keywords_and_device():
     x = torch.empty(4)
     assert tune._spec((x, 1.0), {}, 0) != tune._spec((x, True), {}, 0) != tune._spec((x, None), {}, 0)

@@ -52,6 +52,9 @@ SWITCHES = {s.name: s for s in (
     Switch("KERNELKIT_FP8_DY_ONE_READ", "1", ("0", "1"), "import",
            "`0`: fp8_linear's backward quantizes dy's rows and columns apart (four reads of dy) instead of together "
            "(two)"),
+    Switch("KERNELKIT_FP8_CE_FUSE", "1", ("0", "1"), "call",
+           "`0`: the fp8 LM head (`linear_cross_entropy(precision='fp8')`) quantizes dlogits with a quantize_rows pass "
+           "instead of in the cross-entropy kernel that writes them (A/B)"),
     Switch("KERNELKIT_FP8_FUSE", "1", ("0", "1"), "call",
            "`0`: `kernelkit.patch(precision='fp8')` (read when it patches) neither shares an input's fp8 quantization among the Linears that read it nor has the RMSNorms and SwiGLUs write it (A/B)"),
     Switch("KERNELKIT_PATCH_FUSE_ADD", "1", ("0", "1"), "call",

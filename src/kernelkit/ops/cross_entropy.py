@@ -35,6 +35,7 @@ from ..runtime import autotune, interpreting, launch, next_pow2, num_sms
 from . import _validate
 from ._ce_common import TARGET_DTYPES, class_weight_buffer, mean_divisor, weight_launch_args
 from ._dispatch import Op, reference_vjp, traced, wants_grad
+from .gemm.fp8 import e4m3_bits, fp8_clamp, fp8_scale
 from .registry import OpSpec, optional_import, register
 
 # Chunk of a row per loop step: 16 fp32 per thread at 16 warps, and 16 KB of bf16 in flight per chunk.
@@ -80,8 +81,9 @@ def _load_chunk(x_row, cols, mask, KEEP_IN_L2: tl.constexpr):
 @triton.jit
 def _write_grad_row(x_row, d_row, w_row, t, valid, lse, scale, w_t, w_sum, V, label_smoothing, z2, softcap,
                     inv_softcap, HAS_SOFTCAP: tl.constexpr, HAS_Z: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                    REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """d_row = scale * (softmax(s) * (1 + 2 z lse) - eps / V - (1 - eps) onehot(t)) * ds/dx, zero if ignored.
+                    REVERSE: tl.constexpr, BLOCK_V: tl.constexpr, q_row, scale8, FP8_OUT: tl.constexpr):
+    """d_row = scale * (softmax(s) * (1 + 2 z lse) - eps / V - (1 - eps) onehot(t)) * ds/dx, zero if ignored; with
+    FP8_OUT also its e4m3 bits / scale8 (clamped to +-448) to q_row.
 
     With class weights w (w_t the target's, W their sum; torch's smoothing term is eps / V * sum_c w_c
     (lse - s_c)): scale * (p * ((1 - eps) w_t + eps W / V + 2 z lse w_t) - eps w_c / V - (1 - eps) w_t onehot(t))."""
@@ -114,6 +116,8 @@ def _write_grad_row(x_row, d_row, w_row, t, valid, lse, scale, w_t, w_sum, V, la
             g = g * (1.0 - y * y)
         g = tl.where(valid, g, 0.0)
         tl.store(d_row + cols, g.to(d_row.dtype.element_ty), mask=in_row, eviction_policy="evict_first")
+        if FP8_OUT:  # the e4m3 row of the fp32 gradient (bits: the GPU's convert, or encoded in the interpreter)
+            tl.store(q_row + cols, e4m3_bits(fp8_clamp(g, scale8)), mask=in_row, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -129,7 +133,7 @@ def _target_weight(WEIGHT, t, V, ok, HAS_WEIGHT: tl.constexpr):
 # WEIGHT and HAS_WEIGHT come last, with defaults, so that callers launching these kernels without class
 # weights (ops/linear_cross_entropy.py) keep their positional arguments.
 @autotune(FWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_Z", "COMPUTE_GRAD", "MEAN",
-                            "HAS_WEIGHT"],
+                            "HAS_WEIGHT", "FP8_OUT"],
           prune_configs_by={"early_config_prune": _prune_warps})
 @triton.jit
 def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, stride_l, stride_d, N, V,
@@ -137,7 +141,15 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
                              MEAN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                              HAS_Z: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
                              PROGRAMS_PER_SM: tl.constexpr, L2_HINT: tl.constexpr, WEIGHT=None,
-                             HAS_WEIGHT: tl.constexpr = False):
+                             HAS_WEIGHT: tl.constexpr = False, Q8=None, S8=None, stride_q8=0, tiny8=0.0,
+                             FP8_OUT: tl.constexpr = False):
+    """With FP8_OUT (plain rows: no smoothing, z-loss or softcap) the pass that writes dlogits also writes their
+    float8_e4m3fn rows to Q8 (as bytes) and one fp32 scale per row to S8, for the fp8 LM head's dhidden GEMM. The
+    row's amax is known before that pass: |dlogits| peaks at the target, where it is scale * w_t * (1 - p_t), and
+    every other entry is scale * w_t * p_j <= that. 1 - p_t is taken as (sum of exp over the other classes) / (sum
+    over all), both kept by the first sweep, so a near-certain row keeps its small amax exact instead of 1 - p_t
+    cancelling. So the quantization costs one byte written per logit instead of a quantize_rows pass (two reads of
+    the bf16 dlogits and the write)."""
     scale = 1.0
     if MEAN:
         if COMPUTE_GRAD:
@@ -153,6 +165,7 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
         x_row = LOGITS + r64 * stride_l
         m = tl.full((), float("-inf"), tl.float32)
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_V], dtype=tl.float32)  # FP8_OUT: the same sum without the target's term
         sum_s = tl.zeros([BLOCK_V], dtype=tl.float32)
         cols = tl.arange(0, BLOCK_V)
         x_next = _load_chunk(x_row, cols, (cols < V) & valid, COMPUTE_GRAD and L2_HINT)
@@ -170,7 +183,11 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
             m_new = tl.maximum(m, tl.max(s, axis=0))
             # While every logit so far is -inf (masked vocab padding), rescale against 0, not -inf - -inf.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            acc = acc * tl.exp(m - m_ref) + tl.exp(s - m_ref)
+            alpha = tl.exp(m - m_ref)
+            e = tl.exp(s - m_ref)
+            acc = acc * alpha + e
+            if FP8_OUT:
+                acc_o = acc_o * alpha + tl.where(cols == t, 0.0, e)
             m = m_new
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
@@ -197,9 +214,18 @@ def cross_entropy_fwd_kernel(LOGITS, TARGET, COUNT, LOSS, ZLOSS, LSE, DLOGITS, s
         tl.store(LOSS + r64, tl.where(valid, loss, 0.0))
         tl.store(LSE + r64, lse)
         if COMPUTE_GRAD:
+            scale8 = 1.0
+            q_row = DLOGITS  # (not written without FP8_OUT)
+            if FP8_OUT:
+                q_row = Q8 + r64 * stride_q8  # the row's |dlogits| max (see the docstring); NaN where the loss is NaN
+                amax = tl.abs(scale * w_t) * (tl.sum(acc_o, axis=0) / tl.sum(acc, axis=0))
+                amax = tl.where(valid, amax, 0.0)
+                amax = tl.where(lse == lse, amax, float("nan"))
+                scale8 = fp8_scale(amax, tiny8, DLOGITS.dtype.element_ty)
+                tl.store(S8 + r64, scale8)
             _write_grad_row(x_row, DLOGITS + r64 * stride_d, WEIGHT, t.to(tl.int32), valid, lse, scale, w_t, w_sum,
                             V, label_smoothing, 2.0 * z_loss, softcap, inv_softcap, HAS_SOFTCAP, HAS_Z, HAS_WEIGHT,
-                            True, BLOCK_V)
+                            True, BLOCK_V, q_row, scale8, FP8_OUT)
 
 
 @autotune(BWD_CONFIGS, key=["V", "BLOCK_V", "HAS_SOFTCAP", "HAS_Z", "MEAN", "HAS_WEIGHT"],
@@ -222,7 +248,7 @@ def cross_entropy_bwd_kernel(LOGITS, TARGET, LSE, GRAD, COUNT, DLOGITS, stride_l
         # An out-of-range t has a NaN lse, so truncating it to int32 for the one-hot compare is harmless.
         _write_grad_row(LOGITS + r64 * stride_l, DLOGITS + r64 * stride_d, WEIGHT, t.to(tl.int32), valid,
                         tl.load(LSE + r64), scale, w_t, w_sum, V, label_smoothing, z2, softcap, inv_softcap,
-                        HAS_SOFTCAP, HAS_Z, HAS_WEIGHT, False, BLOCK_V)
+                        HAS_SOFTCAP, HAS_Z, HAS_WEIGHT, False, BLOCK_V, DLOGITS, 1.0, False)
 
 
 @triton.jit

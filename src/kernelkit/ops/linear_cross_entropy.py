@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .. import switches
 from ..roofline.model import Cost, dtype_key
 from ..runtime.alloc import empty
 from ..runtime import cdiv, interpreting, launch, next_pow2, num_sms
@@ -192,15 +193,21 @@ def _launch_in_place(kernel, key, logits, run):
 
 
 def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index, label_smoothing, z_loss, softcap,
-                mean, compute_grad, wbuf):  # mean with count = 2^-11 (a tensor): dlogits x 2^11 (fp16, FP16_GRAD_SCALE)
+                mean, compute_grad, wbuf, fp8_rows=None):
     """The cross-entropy forward kernel on one chunk of logits (rows, V): per-token fp32 loss and lse, and
-    with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean'; wbuf: the class
-    weights (`class_weight_buffer`) or None."""
+    with compute_grad dlogits written over the logits, scaled by 1 / count for 'mean' (with count = 2^-11, a
+    tensor: dlogits x 2^11, fp16's FP16_GRAD_SCALE); wbuf: the class weights (`class_weight_buffer`) or None.
+    fp8_rows: (q, scale), a (rows, V) float8_e4m3fn and a (rows,) fp32 buffer the same pass fills with dlogits'
+    e4m3 rows and their scales (`fused_dlogits_fp8` says when it can)."""
     v = logits.shape[1]
     block, sms = min(MAX_BLOCK_V, max(16, next_pow2(v))), num_sms(logits.device)
     flags = dict(MEAN=mean, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                  HAS_Z=bool(z_loss), COMPUTE_GRAD=compute_grad, BLOCK_V=block)
     weighted = weight_launch_args(flags, wbuf)
+    if fp8_rows is not None:
+        q8, s8 = fp8_rows
+        flags["FP8_OUT"] = True
+        weighted.update(Q8=q8.view(torch.uint8), S8=s8, stride_q8=q8.stride(0), tiny8=torch.finfo(logits.dtype).tiny)
     key = (v, logits.dtype, *flags.values())  # the key cross_entropy.py launches this kernel under
 
     def run(x):
@@ -259,19 +266,31 @@ class _Grads:
         self.db32 = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_db else None
         self.weight, self.first = weight, True
 
-    def add_chunk(self, dlogits, h_chunk, start):
-        if self.wt8 is not None:
-            # dlogits' e4m3 rows in FP8_DH_SPLIT parts (1 byte a logit each): the chunk's peak stays near the bf16
-            # path's (fewer rows per chunk would cost a pass over dweight per extra chunk instead)
-            n = dlogits.shape[0]
-            part = cdiv(n, FP8_DH_SPLIT) if n >= FP8_DH_SPLIT * ROW_ALIGN else n
-            for p in range(0, n, part):
-                dq, ds = quantize_rows(dlogits[p:p + part])
-                rows = self.dh[start + p:start + p + dq.shape[0]]
-                if self.dh32 is not None:  # fp16: the fp32 product, scaled, then rounded once
-                    rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, torch.float32).mul_(self.post))
-                else:
-                    rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, dlogits.dtype))
+    @staticmethod
+    def fp8_parts(n):
+        """(start, end) row ranges of a chunk of n rows whose dlogits are quantized and multiplied one at a time:
+        FP8_DH_SPLIT parts (1 byte a logit each), so that the chunk's peak stays near the bf16 path's (fewer
+        rows per chunk would cost a pass over dweight per extra chunk instead)."""
+        part = cdiv(n, FP8_DH_SPLIT) if n >= FP8_DH_SPLIT * ROW_ALIGN else n
+        return [(p, min(p + part, n)) for p in range(0, n, part)]
+
+    def add_dhidden_fp8(self, dq, ds, start):
+        """dhidden's rows [start, start + len(dq)) from dlogits' e4m3 rows dq and their scales ds."""
+        rows = self.dh[start:start + dq.shape[0]]
+        if self.dh32 is not None:  # fp16: the fp32 product, scaled, then rounded once
+            rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, torch.float32).mul_(self.post))
+        else:
+            rows.copy_(_fp8_gemm(dq, ds, *self.wt8, None, self.dh.dtype))
+
+    def add_chunk(self, dlogits, h_chunk, start, dh_done=False):
+        """The chunk's share of every gradient from its dlogits; dh_done: its dhidden rows are in already
+        (add_dhidden_fp8 on the e4m3 rows the cross-entropy kernel wrote)."""
+        if dh_done:
+            pass
+        elif self.wt8 is not None:
+            for p, q in self.fp8_parts(dlogits.shape[0]):
+                dq, ds = quantize_rows(dlogits[p:q])
+                self.add_dhidden_fp8(dq, ds, start + p)
                 dq = ds = None
         elif self.dh32 is not None:  # fp32 product, scaled, then rounded once
             acc = self.dh32[:dlogits.shape[0]]
@@ -309,6 +328,13 @@ class _Grads:
         none = hidden.new_empty(0)
         return (dh if dh is not None else none, dw if dw is not None else none.clone(),
                 db if db is not None else none.clone())
+
+
+def fused_dlogits_fp8(label_smoothing: float, z_loss: float, softcap: Optional[float]) -> bool:
+    """Whether the cross-entropy kernel writes the fp8 LM head's e4m3 dlogits itself (it knows each row's amax
+    before writing it only for the plain loss: no label smoothing, z-loss or softcap; those take a quantize_rows
+    pass), unless KERNELKIT_FP8_CE_FUSE=0."""
+    return not label_smoothing and not z_loss and softcap is None and switches.on("KERNELKIT_FP8_CE_FUSE")
 
 
 def _chunk_logits_fp8(hidden, weight, bias, rows):
@@ -377,11 +403,23 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, target:
             raise ValueError(f"linear_cross_entropy: precision='fp8' cannot take this call: {why}")
     grads = _Grads(hidden, weight, bias, cdiv(t, rows), *need, rows=rows, post=post, fp8=fp8) if grad else None
     chunks = _chunk_logits_fp8 if fp8 else _chunk_logits
+    fused8 = grads is not None and grads.wt8 is not None and fused_dlogits_fp8(label_smoothing, z_loss, softcap)
     for s, e, h_c, logits in chunks(hidden, weight, bias, rows):
-        _ce_forward(logits, target[s:e], kernel_count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
-                    label_smoothing, z_loss, softcap, mean, grad, wbuf)
-        if grad:
-            grads.add_chunk(logits, h_c, s)
+        if fused8:  # the kernel writes each part's e4m3 dlogits too; its dhidden rows follow at once
+            for p, q in grads.fp8_parts(e - s):
+                dq = empty((q - p, v), dtype=torch.float8_e4m3fn, device=dev)
+                ds = empty((q - p,), dtype=torch.float32, device=dev)
+                a, b = s + p, s + q
+                _ce_forward(logits[p:q], target[a:b], kernel_count, loss_rows[a:b], lse[a:b], z_rows[a:b],
+                            ignore_index, label_smoothing, z_loss, softcap, mean, grad, wbuf, fp8_rows=(dq, ds))
+                grads.add_dhidden_fp8(dq, ds, a)
+                dq = ds = None
+            grads.add_chunk(logits, h_c, s, dh_done=True)
+        else:
+            _ce_forward(logits, target[s:e], kernel_count, loss_rows[s:e], lse[s:e], z_rows[s:e], ignore_index,
+                        label_smoothing, z_loss, softcap, mean, grad, wbuf)
+            if grad:
+                grads.add_chunk(logits, h_c, s)
         logits = None  # before the next chunk's logits exist
     logits = h_c = None  # the chunk buffer goes before the results are assembled (peak memory)
     if reduction == "none":

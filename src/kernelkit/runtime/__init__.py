@@ -116,7 +116,8 @@ def _spec(args, kwargs, device):
     """A key at least as fine as Triton's specialization of this call, or None when an argument is of a
     kind it does not model. Triton 3.6 specializes a tensor on its dtype and 16-byte alignment, an int
     on being 1, its divisibility by 16 and its width (i32, i64, u64); floats, bools and None on their
-    type. Keyword arguments (constexprs, launch options) enter by value."""
+    type; a TensorDescriptor on its dtype, block shape and layout. Keyword arguments (constexprs, launch
+    options) enter by value."""
     key = [device]
     put = key.append
     for a in args:  # ints first: most arguments are sizes and strides
@@ -134,6 +135,14 @@ def _spec(args, kwargs, device):
             put(a.data_ptr() & 15 == 0)
         elif isinstance(a, _PLAIN):
             put(type(a))
+        elif type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):
+            # a host TMA descriptor (Triton's or Gluon's): specialized on its dtype, box and shared layout (the
+            # launcher builds the CUtensorMap from the object on every launch, shape and strides included)
+            try:
+                put((type(a), a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
+                     getattr(a, "padding", None)))
+            except (AttributeError, TypeError):
+                return None
         else:
             return None
     for item in kwargs.items():

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import interpreting, next_pow2, num_sms
+from ...runtime import interpreting, launch, next_pow2, num_sms
 from .mx import dequantize_fwd, e8m0_to_fp32, encode_fp8, quantize_fwd
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -239,9 +239,8 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=t.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=t.device)
     block = min(next_pow2(n), 4096)
-    quantize_rows_kernel[(x.shape[0],)](x, q, scale, n, x.stride(0), q.stride(0), torch.finfo(t.dtype).tiny,
-                                        BLOCK_N=block,
-                                        num_warps=8 if block >= 2048 else 4)
+    launch(quantize_rows_kernel, (x.shape[0],), None, x, q, scale, n, x.stride(0), q.stride(0),
+           torch.finfo(t.dtype).tiny, BLOCK_N=block, num_warps=8 if block >= 2048 else 4)
     return q.view(t.shape), scale.view(t.shape[:-1])
 
 
@@ -285,18 +284,18 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     chunks = min(triton.cdiv(r, block_r), triton.cdiv(target, col_blocks * b))
     tiny = torch.finfo(t.dtype).tiny
     if chunks <= 1:
-        quantize_cols_t_kernel[(col_blocks, b)](x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2), tiny,
-                                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        launch(quantize_cols_t_kernel, (col_blocks, b), None, x, q, scale, r, c, x.stride(0), x.stride(1), x.stride(2),
+               tiny, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     else:
         rows_per = triton.cdiv(triton.cdiv(r, chunks), block_r) * block_r
         chunks = triton.cdiv(r, rows_per)
         partial = torch.empty((b, chunks, c), dtype=torch.float32, device=t.device)
         grid = (col_blocks, chunks, b)
         strides = (x.stride(0), x.stride(1), x.stride(2))
-        quantize_cols_t_amax_kernel[grid](x, partial, r, c, rows_per, *strides, BLOCK_R=block_r, BLOCK_C=block_c,
-                                          num_warps=warps)
-        quantize_cols_t_chunk_kernel[grid](x, partial, q, scale, r, c, rows_per, *strides, tiny, BLOCK_R=block_r,
-                                           BLOCK_C=block_c, num_warps=warps)
+        launch(quantize_cols_t_amax_kernel, grid, None, x, partial, r, c, rows_per, *strides, BLOCK_R=block_r,
+               BLOCK_C=block_c, num_warps=warps)
+        launch(quantize_cols_t_chunk_kernel, grid, None, x, partial, q, scale, r, c, rows_per, *strides, tiny,
+               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return q.view(*t.shape[:-2], c, r), scale.view(*t.shape[:-2], c)
 
 
@@ -362,9 +361,10 @@ def quantize_rows_and_cols_t(t: torch.Tensor) -> tuple[tuple[torch.Tensor, torch
     sc = torch.empty(c, dtype=torch.float32, device=t.device)
     block_r, block_c, warps = ROWS_COLS_TILE
     grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
-    amax_rows_cols_kernel[grid](x, ra, ca, r, c, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    quantize_rows_cols_t_kernel[grid](x, ra, ca, qr, sr, qc, sc, r, c, x.stride(0), torch.finfo(t.dtype).tiny,
-                                      BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    launch(amax_rows_cols_kernel, grid, None, x, ra, ca, r, c, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+           num_warps=warps)
+    launch(quantize_rows_cols_t_kernel, grid, None, x, ra, ca, qr, sr, qc, sc, r, c, x.stride(0),
+           torch.finfo(t.dtype).tiny, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return (qr.view(torch.float8_e4m3fn), sr), (qc.view(torch.float8_e4m3fn), sc)
 
 
@@ -425,8 +425,8 @@ def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PA
     q = torch.empty((c, _segments_width(rows, e, pad)), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
     block_c = min(64, next_pow2(c))
-    quantize_segments_t_kernel[(triton.cdiv(c, block_c), e)](
-        x, idx if idx is not None else offs, row_scale if row_scale is not None else scale, q, scale, offs, poffs, c,
+    launch(
+        quantize_segments_t_kernel, (triton.cdiv(c, block_c), e), None, x, idx if idx is not None else offs, row_scale if row_scale is not None else scale, q, scale, offs, poffs, c,
         x.stride(0), x.stride(1), q.stride(0), torch.finfo(x.dtype).tiny,
         GATHER=idx is not None, HAS_SCALE=row_scale is not None, BLOCK_R=128, BLOCK_C=block_c, num_warps=8)
     return q, scale, poffs

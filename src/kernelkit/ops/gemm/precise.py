@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...runtime import launch
 from .tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
@@ -269,8 +270,9 @@ def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scalin
     c_desc = desc(out, [m, n], [out.stride(0), 1], [BLOCK_M // 2, BLOCK_N])
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
     bias_arg = bias if bias is not None else scale_a  # never read without HAS_BIAS
-    fp8_precise_kernel[(min(num_programs, tiles),)](
-        a_desc, b_desc, c_desc, scale_a, scale_b, bias_arg, m, n, k, s_am, s_ak, s_bn, s_bk,
-        bias.stride(0) if bias is not None else 0, A_GROUP=a_group, B_GROUP=b_group, K_BLOCKED=bool(a_kb or b_kb),
+    # through runtime.launch: after the first call of a specialization, straight to the compiled kernel's launcher
+    launch(
+        fp8_precise_kernel, (min(num_programs, tiles),), None, a_desc, b_desc, c_desc, scale_a, scale_b, bias_arg,
+        m, n, k, s_am, s_ak, s_bn, s_bk, bias.stride(0) if bias is not None else 0, A_GROUP=a_group, B_GROUP=b_group, K_BLOCKED=bool(a_kb or b_kb),
         HAS_BIAS=bias is not None, STAGES=stages, GROUP_M=GROUP_M,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
