@@ -223,11 +223,11 @@ def test_fp8_lm_head_dlogits_quantized_by_the_cross_entropy_kernel(dtype, weight
     add, ce = lce._Grads.add_dhidden_fp8, lce._ce_forward
 
     def spy_add(self, dq, ds, start):
-        got.append((start, dq.float().clone(), ds.clone()))
+        got.append((start, dq.float().cpu(), ds.cpu()))
         return add(self, dq, ds, start)
 
     def spy_ce(logits, *args, **kw):  # the logits each launch reads, before it overwrites them with dlogits
-        logits_seen.append(logits.detach().double().clone())
+        logits_seen.append(logits.detach().double().cpu())
         return ce(logits, *args, **kw)
 
     monkeypatch.setattr(lce._Grads, "add_dhidden_fp8", spy_add)
@@ -255,7 +255,7 @@ def test_fp8_lm_head_dlogits_quantized_by_the_cross_entropy_kernel(dtype, weight
         ok = tr != -100
         ref[ok, tr[ok]] -= 1
         ref[~ok] = 0
-        f = cw[tr.clamp_min(0)].cpu().double() if weighted else 1.0
+        f = cw.cpu()[tr.clamp_min(0)].double() if weighted else 1.0
         # fp16's dlogits carry 2^11 instead of 1 / count (FP16_GRAD_SCALE; the count is applied after the GEMMs)
         f = f * (lce.FP16_GRAD_SCALE if dtype == torch.float16 else 1.0 / count)
         ref = ref * (f[:, None] if weighted else f)
@@ -269,7 +269,7 @@ def test_fp8_lm_head_dlogits_quantized_by_the_cross_entropy_kernel(dtype, weight
                 want = torch.tensor(max(amax[i].item() / 448, tiny)).to(dtype).double().item()
                 assert abs(s[i].item() - want) <= 1e-2 * want, (r, s[i].item(), want)
                 assert 440 <= q[i].abs().max().item() <= 448
-                deq = q[i].double() * s[i].double().cpu()
+                deq = q[i].double() * s[i].double()
                 assert ((deq - ref[i]).norm() / ref[i].norm()).item() < 0.04
     # the unfused path: with the switch off, and with label smoothing (its amax is not known up front)
     for env, smoothing in (("0", 0.0), ("1", 0.1)):
