@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 30's step table on the GPU machine, one variant per process (kernelkit.testing.model_bench), each with
 # its own time limit so one slow variant cannot take the others with it. Writes $OUT/r.tgz.
-#   SHAPE=1b|8b VARIANTS="eager kernelkit-fp8+compile ..." scripts/fp8_table.sh
+#   SHAPE=1b|8b VARIANTS="eager kernelkit-fp8+compile ..." [TAG=-forced] [NO_TAR=1] scripts/fp8_table.sh
+# TAG suffixes the files' names (a second run with other switches, e.g. KERNELKIT_PATCH_CHOICE=kernelkit); NO_TAR=1
+# leaves $OUT/r as it is for a later run to add to.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELKIT_CACHE=${KERNELKIT_CACHE:-/tmp/kkc}
 if ls .whl/liger/*.whl .whl/torchao/*.whl >/dev/null 2>&1; then
@@ -17,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > "$O/gpu.csv"
 for v in ${VARIANTS:-eager torch.compile kernelkit+compile kernelkit-fp8 kernelkit-fp8+compile torchao-fp8+compile}; do
   t0=$(date +%s)
   timeout "${VARIANT_TIMEOUT:-150}" python3 -m kernelkit.testing.model_bench --variant "$v" "${args[@]}" --steps 5 \
-    --json "$O/${SHAPE:-1b}-$v.json" > "$O/${SHAPE:-1b}-$v.log" 2>&1
-  echo "$v rc=$? $(( $(date +%s) - t0 ))s $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d.get('step_ms',0):.1f} ms peak {d.get('peak_gib',0):.2f} GiB loss {d.get('loss',0):.4f}\")" "$O/${SHAPE:-1b}-$v.json" 2>/dev/null)"
+    --json "$O/${SHAPE:-1b}-$v${TAG:-}.json" > "$O/${SHAPE:-1b}-$v${TAG:-}.log" 2>&1
+  echo "$v${TAG:-} rc=$? $(( $(date +%s) - t0 ))s $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d.get('step_ms',0):.1f} ms peak {d.get('peak_gib',0):.2f} GiB loss {d.get('loss',0):.4f}\")" "$O/${SHAPE:-1b}-$v${TAG:-}.json" 2>/dev/null)"
 done
-cd "$OUT" && tar czf r.tgz r && rm -rf r
+[ -n "${NO_TAR:-}" ] || { cd "$OUT" && tar czf r.tgz r && rm -rf r; }

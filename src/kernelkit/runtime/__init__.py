@@ -108,6 +108,8 @@ _MISSING = object()
 _driver_fns = None  # (get_current_device, get_current_stream) of Triton's active driver, on first use
 
 
+_compiling = torch.compiler.is_compiling
+
 # Read once, like Triton decides between JIT and interpreter when a kernel is defined.
 LEAN = not interpreting() and os.environ.get("KERNELKIT_LEAN_LAUNCH", "1") != "0"
 
@@ -207,6 +209,12 @@ def launch(kernel, grid, key, *args, **kwargs):
     (checked on first use; other grids take Triton's path). `KERNELKIT_LEAN_LAUNCH=0` (read at import;
     `tune.LEAN` at run time) turns the direct launch off; so do Triton's launch hooks (e.g. proton's).
     """
+    if _compiling():
+        # Dynamo tracing (kernels launched outside a custom op, e.g. fp8_linear's autograd.Function): Triton's own
+        # `kernel[grid](...)`, which it records as a kernel call. Tracing this function's caches instead breaks
+        # the graph there and recompiles the frame after it per argument count (the fp8 step under torch.compile
+        # fell back to eager: 108 ms against 69).
+        return kernel[grid](*args, **kwargs)
     entry = _chosen.get((kernel, key))
     if entry is None:
         if not isinstance(kernel, Autotuner):
