@@ -315,8 +315,10 @@ def amax_rows_cols_kernel(X, RA, CA, R, C, stride_r, BLOCK_R: tl.constexpr, BLOC
     r_ok, c_ok = rows < R, cols < C
     v = tl.abs(tl.load(X + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
                        other=0.0).to(tl.float32))
-    tl.atomic_max(RA + rows, tl.reduce(v, 1, max_nan).to(tl.int32, bitcast=True), mask=r_ok)
-    tl.atomic_max(CA + cols, tl.reduce(v, 0, max_nan).to(tl.int32, bitcast=True), mask=c_ok)
+    # relaxed: nothing here reads what the atomics return, and the next launch sees them all; the default acq_rel
+    # fences every one of them (PTX atom.acq_rel.gpu)
+    tl.atomic_max(RA + rows, tl.reduce(v, 1, max_nan).to(tl.int32, bitcast=True), mask=r_ok, sem="relaxed")
+    tl.atomic_max(CA + cols, tl.reduce(v, 0, max_nan).to(tl.int32, bitcast=True), mask=c_ok, sem="relaxed")
 
 
 @triton.jit
