@@ -529,6 +529,21 @@ def test_rows_and_cols_t_are_both_quantizations_bit_for_bit(device, dtype, shape
         F8.quantize_rows_and_cols_t(t.view(1, *t.shape))
 
 
+@pytest.mark.parametrize("shape", [(3, 7), (200, 70)])
+def test_rows_and_cols_t_wide_tile_is_bit_for_bit(device, monkeypatch, shape):
+    """The 128 x 64 tile that dy takes from 2048 columns up, at small widths (ragged in both dims)."""
+    from kernelkit.ops.gemm.fp8 import quantize_cols_t_reference
+
+    from kernelkit.ops.gemm import fp8 as G
+
+    monkeypatch.setattr(G, "ROWS_COLS_WIDE_FROM", 1)
+    t = _inputs(shape, torch.bfloat16, "offset").to(device)
+    with poisoned_outputs():
+        (qr, sr), (qc, sc) = F8.quantize_rows_and_cols_t(t)
+    _same_rows(qr, sr, t)
+    _same_fp8(qc, sc, *quantize_cols_t_reference(t))
+
+
 def test_the_backward_with_dy_read_twice_or_four_times_is_the_same(device, monkeypatch, counted):
     ws = _linears(device, (32, 48))
     x = torch.randn(12, 48).to(device, torch.bfloat16).requires_grad_()
@@ -574,11 +589,10 @@ def test_rows_and_cols_t_kernels_compile_for_sm90():
     from kernelkit.testing import compile_check
 
     i32 = lambda v: {"value": v, "type": "i32"}  # noqa: E731
-    block_r, block_c, warps = G.ROWS_COLS_TILE
-    tile = {"R": i32(16384), "C": i32(8192), "stride_r": i32(8192), "BLOCK_R": {"value": block_r},
-            "BLOCK_C": {"value": block_c}}
     records = []
-    for dt in ("bf16", "fp16"):
+    for dt, (block_r, block_c, warps) in (("bf16", G.ROWS_COLS_TILE_WIDE), ("fp16", G.ROWS_COLS_TILE_NARROW)):
+        tile = {"R": i32(16384), "C": i32(8192), "stride_r": i32(8192), "BLOCK_R": {"value": block_r},
+                "BLOCK_C": {"value": block_c}}
         records += [{"kernel": "kernelkit.ops.gemm.fp8:amax_rows_cols_kernel",
                      "args": {"X": {"ptr": dt}, "RA": {"ptr": "i32"}, "CA": {"ptr": "i32"}, **tile},
                      "options": {"num_warps": warps}},

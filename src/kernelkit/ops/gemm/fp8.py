@@ -301,8 +301,12 @@ def quantize_cols_t(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- both quantizations of one 2-D tensor from two reads: an fp8 Linear's output gradient dy ---
 
-# (BLOCK_R, BLOCK_C, num_warps) of the two kernels below. Not tuned on a GPU yet.
-ROWS_COLS_TILE = (64, 128, 8)
+# (BLOCK_R, BLOCK_C, num_warps) of the two kernels below, by dy's width: swept on the H100 (stop 40,
+# benchmarks/experiments/h100/2026-11-26-stop40/dy/dy_tiles.json, 8 tiles at the fp8 steps' five dy shapes). 128 x 64
+# was fastest from 2048 columns up (8192 x 14336: 312 us, 2258 GB/s of the two reads' bytes, against 366 for 64 x
+# 128); at 1024 columns 64 x 128 was (38 against 55 us). ROWS_COLS_TILE set to a tile overrides both (the sweep).
+ROWS_COLS_TILE = None
+ROWS_COLS_TILE_WIDE, ROWS_COLS_TILE_NARROW, ROWS_COLS_WIDE_FROM = (128, 64, 8), (64, 128, 8), 2048
 
 
 @triton.jit
@@ -361,7 +365,8 @@ def quantize_rows_and_cols_t(t: torch.Tensor) -> tuple[tuple[torch.Tensor, torch
     qc = torch.empty((c, r), dtype=torch.uint8, device=t.device)
     sr = torch.empty(r, dtype=torch.float32, device=t.device)
     sc = torch.empty(c, dtype=torch.float32, device=t.device)
-    block_r, block_c, warps = ROWS_COLS_TILE
+    block_r, block_c, warps = ROWS_COLS_TILE or (ROWS_COLS_TILE_WIDE if c >= ROWS_COLS_WIDE_FROM
+                                                 else ROWS_COLS_TILE_NARROW)
     grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
     launch(amax_rows_cols_kernel, grid, None, x, ra, ca, r, c, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
            num_warps=warps)
