@@ -112,6 +112,42 @@ def test_kernelkit_calls_are_records_with_module_cost_and_range(tmp_path):
         assert outer["tid"] == inner["tid"] and outer["ts"] <= inner["ts"] <= outer["ts"] + outer["dur"]
 
 
+class _Head(torch.nn.Module):
+    def __init__(self, reduction):
+        super().__init__()
+        self.weight = torch.nn.Parameter(0.1 * torch.randn(100, 16))
+        self.reduction = reduction
+
+    def forward(self, x, t):
+        import kernelkit
+
+        loss = kernelkit.linear_cross_entropy(x, self.weight, t, reduction=self.reduction)
+        return loss if loss.dim() == 0 else loss.sum()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_loss_that_computes_its_gradients_in_the_forward_is_charged_there(reduction):
+    """linear_cross_entropy computes dhidden and dweight during its forward (the backward scales them): the
+    profile puts all three GEMMs' cost on the forward record and none on the backward's. reduction='none'
+    recomputes in its backward, and keeps the split."""
+    from torch.profiler import ProfilerActivity
+
+    from kernelkit.ops.linear_cross_entropy import cost as lce_cost
+
+    x, t = torch.randn(12, 16, requires_grad=True), torch.randint(0, 100, (12,))
+    _, records, _ = profiled_steps(_Head(reduction), (x, t), 1, True, True, [ProfilerActivity.CPU], lambda: None)
+    kk = [r for r in records if r.op == "kernelkit::linear_cross_entropy"]
+    assert [r.phase for r in kk] == ["fwd", "bwd"]
+    args = (torch.empty(12, 16), torch.empty(100, 16), torch.empty(12, dtype=torch.long))
+    fwd, bwd = lce_cost(*args), lce_cost(*args, backward=True)
+    if reduction == "none":
+        assert (kk[0].flops, kk[1].flops) == (fwd.flops, bwd.flops)
+    else:
+        assert kk[0].flops == fwd.flops + bwd.flops == 6 * 12 * 16 * 100 and kk[0].bytes == fwd.bytes + bwd.bytes
+        assert (kk[1].flops, kk[1].bytes) == (0.0, 0.0)
+
+
 def test_no_ranges_without_a_profiler(monkeypatch):
     """The eager path pays one boolean check: nothing is named or hooked when no profiler records."""
     from kernelkit.ops import _dispatch

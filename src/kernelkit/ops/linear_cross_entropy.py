@@ -673,6 +673,7 @@ def _liger_loader():
 
 register(OpSpec(
     name="linear_cross_entropy", fn=linear_cross_entropy, reference=reference, cost=cost, make_inputs=make_inputs,
+    grads_in_forward=lambda *_, reduction="mean", **__: reduction != "none",  # 'none' recomputes in its backward
     grad_args=(0, 1),
     test_shapes=[(3, 16, 100), (37, 24, 257), (45, 33, 1000)],
     bench_shapes=[(8192, 4096, 128256)],

@@ -35,6 +35,10 @@ class OpSpec:
     competitors: dict[str, Callable[[], Callable | None]] = field(default_factory=dict)
     replaces: tuple[str, ...] = ()  # aten ops ("aten::rms_norm") and module classes ("LlamaRMSNorm")
     deterministic: bool = True  # run-twice check demands bitwise-equal results
+    # Whether a call's forward computes the input gradients and its backward only scales them by grad_output
+    # (linear_cross_entropy): grads_in_forward(*args, **kwargs) of the call as the profiler sees it, or None. A
+    # profile then charges cost(backward=True) to the forward's record, and nothing to the backward's.
+    grads_in_forward: Callable[..., bool] | None = None
     # Reference outputs with reduced precision need per-dtype tolerance overrides.
     tolerances: dict[str, float] = field(default_factory=dict)
     # What the "eager" and "torch.compile" rows of a benchmark run (reference when None), which of
