@@ -403,6 +403,7 @@ def test_norms_that_feed_no_linear_stop_writing_fp8(device, monkeypatch):
     assert layer.input_layernorm._kernelkit.fp8_read
 
 
+@pytest.mark.slow  # 31 s in the interpreter (CI budget); the GPU suite and `-m slow` run it
 def test_trials_do_not_disturb_the_sharing(device, monkeypatch):
     """With measured choices, the first call at a shape runs a trial (the MLP's runs its fp8 Linears on random
     inputs): the trial's calls must not replace the norm's kept rows."""
