@@ -370,6 +370,7 @@ def _patched_step(monkeypatch, device, fuse: str, family="llama"):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls, report, model
 
 
+@pytest.mark.slow  # 32 s in the interpreter (CI budget); the GPU suite and `-m slow` run it
 def test_patched_model_same_loss_and_grads_with_fewer_quantizations(device, monkeypatch):
     pytest.importorskip("transformers")
     loss, grads, calls, report, model = _patched_step(monkeypatch, device, "1")
@@ -392,6 +393,7 @@ def test_patched_model_same_loss_and_grads_with_fewer_quantizations(device, monk
     assert model.model.norm._kernelkit.fp8_shared is None  # the final norm feeds the LM head, not the layers'
 
 
+@pytest.mark.slow  # 23 s in the interpreter (CI budget); the GPU suite and `-m slow` run it
 def test_norms_that_feed_no_linear_stop_writing_fp8(device, monkeypatch):
     # Qwen3's q_norm / k_norm (per head, after q and k) write rows on their first call that no Linear reads: they
     # stop; the norm before q/k/v keeps writing.
