@@ -47,7 +47,8 @@ def test_tensor_descriptor_key_separates_what_triton_separates():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     keys = {}
-    for dtype, gdt in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16), (torch.float8_e4m3fn, gl.float8e4nv)):
+    kinds = ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16), (torch.float8_e4m3fn, gl.float8e4nv))
+    for dtype, gdt in kinds:
         for box in ([64, 64], [128, 64], [64, 128]):
             layout = gl.NVMMASharedLayout.get_default_for(box, gdt)
             for rows, cols in ((256, 256), (300, 512)):

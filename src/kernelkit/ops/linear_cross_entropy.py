@@ -207,7 +207,8 @@ def _ce_forward(logits, target, count, loss_rows, lse_rows, z_rows, ignore_index
     if fp8_rows is not None:
         q8, s8 = fp8_rows
         flags["FP8_OUT"] = True
-        weighted.update(Q8=q8.view(torch.uint8), S8=s8, stride_q8=q8.stride(0), tiny8=torch.finfo(logits.dtype).tiny)
+        weighted.update(Q8=q8.view(torch.uint8), S8=s8, stride_q8=q8.stride(0),
+                        tiny8=torch.finfo(logits.dtype).tiny)
     key = (v, logits.dtype, *flags.values())  # the key cross_entropy.py launches this kernel under
 
     def run(x):
@@ -285,9 +286,22 @@ class _Grads:
     def add_chunk(self, dlogits, h_chunk, start, dh_done=False):
         """The chunk's share of every gradient from its dlogits; dh_done: its dhidden rows are in already
         (add_dhidden_fp8 on the e4m3 rows the cross-entropy kernel wrote)."""
-        if dh_done:
-            pass
-        elif self.wt8 is not None:
+        if not dh_done:
+            self._add_dhidden(dlogits, start)
+        beta = 0.0 if self.first else 1.0  # beta = 0: the buffer's prior (uninitialized) contents are ignored
+        if self.dw32 is not None:
+            if self.dw32.is_cuda:  # cuBLAS bf16 x bf16 accumulated into an fp32 C
+                torch.addmm(self.dw32, dlogits.t(), h_chunk, beta=beta, out_dtype=torch.float32, out=self.dw32)
+            else:
+                self.dw32.addmm_(dlogits.t().float(), h_chunk.float(), beta=beta)
+        elif self.dw is not None:
+            self.dw.addmm_(dlogits.t(), h_chunk, beta=beta)
+        if self.db32 is not None:
+            self.db32 += dlogits.sum(0, dtype=torch.float32)
+        self.first = False
+
+    def _add_dhidden(self, dlogits, start):
+        if self.wt8 is not None:
             for p, q in self.fp8_parts(dlogits.shape[0]):
                 dq, ds = quantize_rows(dlogits[p:q])
                 self.add_dhidden_fp8(dq, ds, start + p)
@@ -301,17 +315,6 @@ class _Grads:
             self.dh[start:start + dlogits.shape[0]].copy_(acc.mul_(self.post))
         elif self.dh is not None:
             torch.mm(dlogits, self.weight, out=self.dh[start:start + dlogits.shape[0]])
-        beta = 0.0 if self.first else 1.0  # beta = 0: the buffer's prior (uninitialized) contents are ignored
-        if self.dw32 is not None:
-            if self.dw32.is_cuda:  # cuBLAS bf16 x bf16 accumulated into an fp32 C
-                torch.addmm(self.dw32, dlogits.t(), h_chunk, beta=beta, out_dtype=torch.float32, out=self.dw32)
-            else:
-                self.dw32.addmm_(dlogits.t().float(), h_chunk.float(), beta=beta)
-        elif self.dw is not None:
-            self.dw.addmm_(dlogits.t(), h_chunk, beta=beta)
-        if self.db32 is not None:
-            self.db32 += dlogits.sum(0, dtype=torch.float32)
-        self.first = False
 
     def result(self, hidden, weight, bias):
         dh, dw = self.dh, self.dw

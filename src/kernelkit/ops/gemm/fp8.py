@@ -433,8 +433,8 @@ def quantize_segments_t(x, offs, idx=None, row_scale=None, pad: int = SEGMENT_PA
     scale = torch.empty((e, c), dtype=torch.float32, device=x.device)
     block_c = min(64, next_pow2(c))
     launch(
-        quantize_segments_t_kernel, (triton.cdiv(c, block_c), e), None, x, idx if idx is not None else offs, row_scale if row_scale is not None else scale, q, scale, offs, poffs, c,
-        x.stride(0), x.stride(1), q.stride(0), torch.finfo(x.dtype).tiny,
+        quantize_segments_t_kernel, (triton.cdiv(c, block_c), e), None, x, idx if idx is not None else offs,
+        row_scale if row_scale is not None else scale, q, scale, offs, poffs, c, x.stride(0), x.stride(1), q.stride(0), torch.finfo(x.dtype).tiny,
         GATHER=idx is not None, HAS_SCALE=row_scale is not None, BLOCK_R=128, BLOCK_C=block_c, num_warps=8)
     return q, scale, poffs
 

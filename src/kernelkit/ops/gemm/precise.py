@@ -273,6 +273,6 @@ def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scalin
     # through runtime.launch: after the first call of a specialization, straight to the compiled kernel's launcher
     launch(
         fp8_precise_kernel, (min(num_programs, tiles),), None, a_desc, b_desc, c_desc, scale_a, scale_b, bias_arg,
-        m, n, k, s_am, s_ak, s_bn, s_bk, bias.stride(0) if bias is not None else 0, A_GROUP=a_group, B_GROUP=b_group, K_BLOCKED=bool(a_kb or b_kb),
-        HAS_BIAS=bias is not None, STAGES=stages, GROUP_M=GROUP_M,
+        m, n, k, s_am, s_ak, s_bn, s_bk, bias.stride(0) if bias is not None else 0, A_GROUP=a_group, B_GROUP=b_group,
+        K_BLOCKED=bool(a_kb or b_kb), HAS_BIAS=bias is not None, STAGES=stages, GROUP_M=GROUP_M,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -205,8 +205,8 @@ def _grad_inputs(dy, x, weight, bias, residual, activation, scale, allow_tf32, n
     """(dx, dweight, dbias, dresidual) for out = residual + scale * act(x @ W^T + b).
 
     The pre-activation z is recomputed (by `preact`, this kernel with no epilogue but the bias; in x's dtype for
-    16-bit inputs, as eager keeps it, else in fp32) rather than saved: autograd then keeps only x, W and b, as F.linear without an activation does, at the
-    price of a third GEMM in the backward. Whether saving z (one more M×N store in the forward) pays
+    16-bit inputs, as eager keeps it, else in fp32) rather than saved: autograd then keeps only x, W and b, as
+    F.linear without an activation does, at the price of a third GEMM in the backward. Whether saving z (one more M×N store in the forward) pays
     is a measurement for the H100."""
     k = x.shape[-1]
     m = x.numel() // k if k else math.prod(x.shape[:-1])  # explicit: reshape(-1, 0) of an empty tensor fails
