@@ -6,7 +6,7 @@ SDPA pinned to cuDNN and to FlashAttention-2, and FlashAttention-4's CuTe-DSL ke
 imports (its sm_90 path). `triton.testing.do_bench` median with the L2 flushed before each call; TFLOP/s from
 the op's cost model (4·d per attended pair and head; backward 2.5x). Backward = (forward + backward) - forward.
 
-    python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--rows d128-s4096,...]
+    python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--kernel-time] [--rows d128-s4096,...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import triton
 
 from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod
+from kernelkit.testing.bench import kernel_time_ms
 
 SHIPPED_BWD = bwd_mod.GLUON  # KERNELKIT_ATTENTION_GLUON_BWD (off by default)
 
@@ -61,14 +62,16 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_variant(stages: int | None = None, persistent: bool | None = None, overlap: bool | None = None):
-    """kernelkit's Gluon forward with `stages` K/V ring slots at d64 (d128 fits 2 only) and / or the persistent walk
-    on or off."""
+def _kk_variant(stages: int | None = None, persistent: bool | None = None, overlap: bool | None = None,
+                pingpong: bool | None = None):
+    """kernelkit's Gluon forward with `stages` K/V ring slots at d64 (d128 fits 2 only) and / or the persistent walk,
+    the intra-warpgroup overlap or the forced ping-pong on or off."""
     from kernelkit.ops.attention import hopper
 
     def run(q, k, v, causal):
         fwd_mod.GLUON = bwd_mod.GLUON = True
-        old = dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO)
+        old = (dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO),
+               dict(hopper.PINGPONG))
         hopper.TRITON_UP_TO.clear()
         if stages:
             hopper.STAGES[64] = stages
@@ -76,6 +79,8 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
             hopper.PERSISTENT[bool(causal)] = None if persistent else 0
         if overlap is not None:
             hopper.OVERLAP[q.shape[-1]] = overlap
+        if pingpong is not None:
+            hopper.PINGPONG[q.shape[-1]] = pingpong
         try:
             return attention(q, k, v, causal=causal)
         finally:
@@ -83,6 +88,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
             hopper.PERSISTENT.update(old[1])
             hopper.OVERLAP.update(old[2])
             hopper.TRITON_UP_TO.update(old[3])
+            hopper.PINGPONG.update(old[4])
     return run
 
 
@@ -103,7 +109,9 @@ def impls(want_fa4: bool, stages=(), variants=False) -> dict:
            "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
     got.update({f"kk-gluon-s{n}": _kk_variant(stages=n) for n in stages})
     if variants:
-        got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-overlap": _kk_variant(overlap=True)})
+        got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-overlap": _kk_variant(overlap=True),
+                    "kk-gluon-pingpong": _kk_variant(overlap=False, pingpong=True),
+                    "kk-gluon-overlap-pingpong": _kk_variant(overlap=True, pingpong=True)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -112,7 +120,7 @@ def impls(want_fa4: bool, stages=(), variants=False) -> dict:
     return got
 
 
-def bench_row(r, fns, bwd: bool) -> dict:
+def bench_row(r, fns, bwd: bool, kernel_time: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(r["b"], r["s"], r["h"], r["d"], device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(r["b"], r["s"], r["hk"], r["d"], device="cuda", dtype=torch.bfloat16, generator=g)
@@ -129,6 +137,10 @@ def bench_row(r, fns, bwd: bool) -> dict:
             res["max_abs_diff_vs_first"] = float((o.float() - ref).abs().max())
             ms = triton.testing.do_bench(lambda: fn(q, k, v, r["causal"]), warmup=25, rep=200, return_mode="median")
             res.update(fwd_ms=ms, fwd_tflops=fl / ms / 1e9)
+            if kernel_time:  # the kernels' device time alone (torch.profiler), host time excluded
+                kms = kernel_time_ms(lambda: fn(q, k, v, r["causal"]))
+                if kms:
+                    res.update(fwd_kernel_ms=kms, fwd_kernel_tflops=fl / kms / 1e9)
             if bwd:
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
                 do = torch.randn_like(q)
@@ -137,6 +149,11 @@ def bench_row(r, fns, bwd: bool) -> dict:
                     torch.autograd.grad(fn(qg, kg, vg, r["causal"]), (qg, kg, vg), do)
                 ms2 = triton.testing.do_bench(step, warmup=10, rep=200, return_mode="median")
                 res.update(bwd_ms=ms2 - ms, bwd_tflops=2.5 * fl / (ms2 - ms) / 1e9)
+                if kernel_time and res.get("fwd_kernel_ms"):
+                    kms2 = kernel_time_ms(step)
+                    if kms2 and kms2 > res["fwd_kernel_ms"]:
+                        kb = kms2 - res["fwd_kernel_ms"]
+                        res.update(bwd_kernel_ms=kb, bwd_kernel_tflops=2.5 * fl / kb / 1e9)
         except Exception as e:  # noqa: BLE001 - a row an anchor cannot run is recorded, not fatal
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         out["impls"][name] = res
@@ -151,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="", help="also kernelkit's Gluon forward at these d64 ring depths (2,3)")
     ap.add_argument("--variants", action="store_true",
                     help="also the Gluon forward with one program per tile, and with the intra-warpgroup overlap")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="also each call's kernels' device time alone (torch.profiler; host time excluded)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
     fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants)
@@ -160,10 +179,17 @@ def main(argv=None) -> int:
     results = []
     for i, r in enumerate(todo):
         t0 = time.time()
-        res = bench_row(r, fns, a.bwd)
+        res = bench_row(r, fns, a.bwd, a.kernel_time)
         results.append(res)
-        cells = "  ".join(f"{n} {v.get('fwd_tflops', 0):.0f}" + (f"/{v['bwd_tflops']:.0f}" if "bwd_tflops" in v else "")
-                          if "error" not in v else f"{n} ERR" for n, v in res["impls"].items())
+        def cell(n, v):
+            if "error" in v:
+                return f"{n} ERR"
+            c = f"{n} {v.get('fwd_tflops', 0):.0f}" + (f"/{v['bwd_tflops']:.0f}" if "bwd_tflops" in v else "")
+            if "fwd_kernel_tflops" in v:  # kernels alone
+                c += f" (k {v['fwd_kernel_tflops']:.0f}" + (f"/{v['bwd_kernel_tflops']:.0f}" if "bwd_kernel_tflops" in v
+                                                             else "") + ")"
+            return c
+        cells = "  ".join(cell(n, v) for n, v in res["impls"].items())
         print(f"[{i + 1}/{len(todo)}] {r['name']:<26} {cells}  ({time.time() - t0:.0f}s)", flush=True)
         with open(a.out, "w") as f:
             json.dump({"env": env, "rows": results}, f, indent=1)

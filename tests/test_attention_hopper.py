@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernelkit.ops.attention import attention, forward as fwd_mod, reference
-from kernelkit.testing import check
+from kernelkit.testing import check, compile_check
 
 hopper = pytest.importorskip("kernelkit.ops.attention.hopper")
 hopper_bwd = pytest.importorskip("kernelkit.ops.attention.hopper_bwd")
@@ -106,7 +106,7 @@ args = dict(q_desc=hopper._desc(q, hopper.HALF_M), k_desc=hopper._desc(k, hopper
             v_desc=hopper._desc(k, hopper.BLOCK_N), o_desc=hopper._desc(o, hopper.HALF_M), LSE=lse,
             stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=200, seqlen_k=300, n_heads_q=4, group=2,
             n_m=2, n_bh=8, scale2=0.2)
-const = dict(CAUSAL=causal, STAGES=hopper.STAGES[d], OVERLAP=hopper.OVERLAP[d],
+const = dict(CAUSAL=causal, STAGES=hopper.STAGES[d], OVERLAP=hopper.OVERLAP[d], PINGPONG=hopper.PINGPONG[d],
              Q_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.HALF_M, d], gl.bfloat16),
              KV_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_N, d], gl.bfloat16),
              CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS)
@@ -121,12 +121,8 @@ def test_sm90_build_fits_without_spills_or_serialized_wgmma(d, causal):
     # that is not interpreting, and checks what the design needs: shared memory within the SM's 227 KiB, no
     # spills, and no C7514 (ptxas serializing the wgmmas).
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _BUILD, str(d), str(int(causal))], capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = compile_check.run_uninterpreted(_BUILD, (d, int(causal)), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0, r["ptxas"]
@@ -172,6 +168,22 @@ GPU_CASES = [  # (batch, seq_q, seq_k, heads_q, heads_kv, d, dtype, causal)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 def test_gpu_gluon_matches_fp64_reference(case, monkeypatch):
     b, sq, sk, hq, hk, d, dtype, causal = case
+    calls = _counting(monkeypatch)
+    _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()
+    assert calls, "the Gluon kernel did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("overlap,pingpong", [(False, True), (True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 2, 3, 4)],
+                         ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_gpu_gluon_every_schedule_matches_fp64_reference(case, overlap, pingpong, monkeypatch):
+    # The inner-loop schedules (intra-warpgroup overlap, the forced ping-pong) on and off, whichever ships: a turn
+    # handed out of order deadlocks or races the ring, a wrong phase reads a slot before it lands.
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    monkeypatch.setitem(hopper.OVERLAP, d, overlap)
+    monkeypatch.setitem(hopper.PINGPONG, d, pingpong)
     calls = _counting(monkeypatch)
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()
     assert calls, "the Gluon kernel did not run"
@@ -308,12 +320,8 @@ print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_sm90_build_of_the_backward_fits_without_spills(d, causal):
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _BUILD_BWD, str(d), str(int(causal))], capture_output=True,
-                         text=True, env=env, timeout=600)
+    run = compile_check.run_uninterpreted(_BUILD_BWD, (d, int(causal)), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0 and r["shared"] <= 227 * 1024, r["ptxas"]

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from kernelkit import ladder
 from kernelkit.commands.cli import app
 from kernelkit.ladder import hgemm, nvrtc, run, sgemm, signature
+from kernelkit.testing import compile_check
 
 runner = CliRunner()
 
@@ -116,8 +117,7 @@ _SM90 = textwrap.dedent("""
 
 @pytest.mark.slow  # 15-24 s each (nvcc, g++, Triton compiles): `make test-all` (CI time)
 def test_hgemm_rungs_compile_for_sm90_and_show_their_step():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=600)
+    out = compile_check.run_uninterpreted(_SM90, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     f = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(v["wgmma"] for v in f.values()), f  # tl.dot is a warpgroup MMA on Hopper
@@ -156,8 +156,7 @@ print(json.dumps(out))
 def test_gluon_rung_compiles_for_sm90_and_is_warp_specialized():
     # Gluon has no interpreter: CI builds every config the GPU run will time, and checks the rung's step
     # (TMA, wgmma, registers moved between the roles) and what would silently cost speed (spills, C7514).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _GLUON_SM90], capture_output=True, text=True, env=env, timeout=600)
+    out = compile_check.run_uninterpreted(_GLUON_SM90, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for cfg in json.loads(out.stdout.strip().splitlines()[-1]):
         assert cfg["ptxas_rc"] == 0 and cfg["wgmma"] and cfg["tma"] and cfg["setmaxnreg"], cfg

@@ -432,13 +432,10 @@ def test_gluon_precise_kernel_compiles_for_sm90(out_dtype, a_group, b_group, k_b
     # and checks what the design depends on: it fits in shared memory, no spills, and no C7514 (ptxas
     # serializing the MMAs because something reads an accumulator before its wait).
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, out_dtype, str(a_group), str(b_group), str(int(k_blocked))],
-                         capture_output=True, text=True, env=env, timeout=600)
+    from kernelkit.testing import compile_check
+
+    run = compile_check.run_uninterpreted(_GLUON_COMPILE, (out_dtype, a_group, b_group, int(k_blocked)), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["rc"] == 0, got["ptxas"]

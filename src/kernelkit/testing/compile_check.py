@@ -9,12 +9,15 @@ in a process that is not interpreting.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
 import os
+import select
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -120,13 +123,103 @@ def compile_records(records: list, arch: int = 90) -> list[str]:
     return failures
 
 
-def compile_in_subprocess(records: list, arch: int = 90, timeout: int = 900) -> list[str]:
-    """`compile_records` in a fresh Python without TRITON_INTERPRET (the kernels must be real JITFunctions)."""
+# The loop of the process `run_uninterpreted` keeps: one JSON request a line (code, argv, stdin text, environment),
+# one JSON answer a line (rc, stdout, stderr). Answers travel on a duplicate of fd 1; fd 1 itself is pointed at fd 2,
+# so output written below Python (a C library's printf) cannot corrupt them.
+_SERVE = r"""
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+requests = sys.stdin
+for line in requests:
+    req = json.loads(line)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = ["-c", *req["argv"]]
+    sys.stdin = io.StringIO(req["input"])
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            exec(compile(req["code"], "<uninterpreted>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        err.write(traceback.format_exc())
+        rc = 1
+    finally:
+        sys.stdin = requests
+        os.environ.clear()
+        os.environ.update(saved)
+    answers.write(json.dumps({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}) + "\n")
+    answers.flush()
+"""
+_server: list = []  # the one kept process, while it lives
+_server_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_server() -> None:
+    """End the kept process with this one: its loop ends when its stdin closes."""
+    for proc in _server:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        proc.stdout.close()
+    _server.clear()
+
+
+def _fresh(cmd: list, code_input: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, input=code_input, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def run_uninterpreted(code: str, argv=(), input: str = "", timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run `code` as `python -c code *argv` would, with `input` on stdin, in a Python that is not interpreting
+    (Triton's kernels real JITFunctions, built for a GPU target). The process is kept and reused: importing torch,
+    Triton and kernelkit takes seconds, and CI's sm_90 build checks would pay it per check. Each run sees this
+    process's environment less TRITON_INTERPRET and its own sys.argv and stdin; what it imports stays imported
+    (these runs build kernels, they do not change module state). A run past `timeout` kills the process
+    (subprocess.TimeoutExpired); a process that dies mid-run is replaced, and the run repeated in a fresh one for
+    its full error. KERNELKIT_FRESH_COMPILE=1: a fresh process per run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", code, *map(str, argv)]
+    if os.environ.get("KERNELKIT_FRESH_COMPILE", "0") not in ("", "0"):
+        return _fresh(cmd, input, env, timeout)
+    req = json.dumps({"code": code, "argv": [str(a) for a in argv], "input": input, "env": env}) + "\n"
+    with _server_lock:
+        if not _server or _server[0].poll() is not None:
+            _server[:] = [subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)]
+        proc = _server[0]
+        try:
+            proc.stdin.write(req)
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else None
+        except OSError:  # BrokenPipeError: it died
+            line = ""
+        if line is None:
+            proc.kill()
+            proc.wait()
+            _server.clear()
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        if not line:
+            proc.wait()
+            _server.clear()
+            return _fresh(cmd, input, env, timeout)
+    got = json.loads(line)
+    return subprocess.CompletedProcess(cmd, got["rc"], got["stdout"], got["stderr"])
+
+
+def compile_in_subprocess(records: list, arch: int = 90, timeout: int = 900) -> list[str]:
+    """`compile_records` in a Python without TRITON_INTERPRET (the kernels must be real JITFunctions): the process
+    `run_uninterpreted` keeps."""
     code = ("import json, sys; from kernelkit.testing.compile_check import compile_records; "
             f"print(json.dumps(compile_records(json.load(sys.stdin), {arch})))")
-    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), capture_output=True, text=True,
-                         env=env, timeout=timeout)
+    out = run_uninterpreted(code, input=json.dumps(records), timeout=timeout)
     if out.returncode != 0:
         return [f"compile subprocess failed: {out.stderr[-2000:]}"]
     return json.loads(out.stdout.strip().splitlines()[-1])

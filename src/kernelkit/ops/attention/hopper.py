@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...runtime import cdiv, num_sms
+from ...runtime import cdiv, launch, num_sms
+from ...runtime.gluon import smem_layout
 from .tiles import tma_compatible
 
 HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
@@ -52,6 +53,9 @@ TRITON_UP_TO = {(64, False): 0, (64, True): 1024, (128, False): 0, (128, True): 
 # FlashAttention-3's intra-warpgroup overlap (block j's softmax under block j-1's P·V), by head_dim: measured
 # 0-12% slower than the serial loop on the H100 (and 24% at d128 s16384 causal), so off; kept for A/B.
 OVERLAP = {64: False, 128: False}
+# FlashAttention-3's ping-pong, forced: a consumer issues its GEMMs only on its turn and hands the turn to the other
+# at once, so one warpgroup's softmax runs under the other's GEMMs by construction, not by drift (`_my_turn`).
+PINGPONG = {64: False, 128: False}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 HEAD_DIMS = (64, 128)
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -126,15 +130,34 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 
 @gluon.jit
-def _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
-          MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _my_turn(turn, c, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until the other warpgroup has issued its GEMMs of key block c - HALF (warpgroup 0 goes
+    first; a fresh barrier counts as having completed the phase before its first). Both warpgroups walk the same
+    blocks, and neither gets more than one turn ahead, so the phase parity names the turn."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(HALF), (c & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _their_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, hand the tensor cores to the other warpgroup (this one's GEMMs are issued)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+
+
+@gluon.jit
+def _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c, acc, l_i, m_i, zero_s, rows, seqlen_k, shift,
+          scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+          PINGPONG: gl.constexpr):
     """Key block j (the c-th through the ring) of one warpgroup: S = QKᵀ, the online softmax (base 2, the scale
-    folded into the exponent's FMA), O = O·alpha + P·V."""
+    folded into the exponent's FMA), O = O·alpha + P·V. PINGPONG orders the QKᵀ issues of the two warpgroups."""
     o_layout: gl.constexpr = acc.type.layout
     slot = c % STAGES
     phase = (c // STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
+    _my_turn(turn, c, HALF, PINGPONG)
     s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _their_turn(turn, HALF, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, alpha, m_new, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED, CAUSAL)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -168,17 +191,21 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED: gl.constexpr
 
 
 @gluon.jit
-def _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, p_prev, l_i, m_i, zero_s, rows,
-                     seqlen_k, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c, acc, p_prev, l_i, m_i, zero_s,
+                     rows, seqlen_k, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                     HALF: gl.constexpr, PINGPONG: gl.constexpr):
     """FlashAttention-3's intra-warpgroup overlap: block j's QKᵀ and block j-1's P·V are both issued, then
-    block j's softmax runs while P·V is still on the tensor cores; O is rescaled once P·V lands."""
+    block j's softmax runs while P·V is still on the tensor cores; O is rescaled once P·V lands. PINGPONG orders
+    the two warpgroups' issues of that pair."""
     o_layout: gl.constexpr = acc.type.layout
     slot = c % STAGES
     prev = (c - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
-    s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    _my_turn(turn, c, HALF, PINGPONG)
+    s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+    _their_turn(turn, HALF, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # groups complete in order: QKᵀ first
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, shift, scale2, MASKED, CAUSAL)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -189,9 +216,9 @@ def _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, p
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, o_desc, LSE, stride_lb,
-              stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, scale2, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, HALF: gl.constexpr):
+def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, o_desc, LSE,
+              stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, scale2, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: rows [m0 + 64 HALF, +64) of each of the program's tiles, every key block the producer
     streams; then O / l through its own shared-memory slot and a TMA store left in flight under the next tile,
     and the rows' log-sum-exp."""
@@ -224,20 +251,22 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
                 # block j's QKᵀ with block j-1's P·V, and the last P·V after the loops
                 slot = c % STAGES
                 mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
+                _my_turn(turn, c, HALF, PINGPONG)
                 s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                _their_turn(turn, HALF, PINGPONG)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, shift, scale2, True, CAUSAL)
                 p_op = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
                 c += 1
                 for j in range(1, n_full):
-                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc,
-                                                           p_op, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
-                                                           False, CAUSAL, STAGES)
+                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c,
+                                                           acc, p_op, l_i, m_i, zero_s, rows, seqlen_k, shift,
+                                                           scale2, False, CAUSAL, STAGES, HALF, PINGPONG)
                     c += 1
                 for j in range(gl.maximum(n_full, 1), n_total):
-                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc,
-                                                           p_op, l_i, m_i, zero_s, rows, seqlen_k, shift, scale2,
-                                                           True, CAUSAL, STAGES)
+                    acc, p_op, l_i, m_i = _overlapped_step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c,
+                                                           acc, p_op, l_i, m_i, zero_s, rows, seqlen_k, shift,
+                                                           scale2, True, CAUSAL, STAGES, HALF, PINGPONG)
                     c += 1
                 prev = (c - 1) % STAGES
                 mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
@@ -246,12 +275,12 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
                 mbarrier.arrive(kv_empty.index(prev), count=1)
         else:
             for j in range(0, n_full):
-                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s,
-                                      rows, seqlen_k, shift, scale2, False, CAUSAL, STAGES)
+                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c, acc, l_i, m_i,
+                                      zero_s, rows, seqlen_k, shift, scale2, False, CAUSAL, STAGES, HALF, PINGPONG)
                 c += 1
             for j in range(n_full, n_total):
-                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, j, c, acc, l_i, m_i, zero_s,
-                                      rows, seqlen_k, shift, scale2, True, CAUSAL, STAGES)
+                acc, l_i, m_i = _step(q, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, j, c, acc, l_i, m_i,
+                                      zero_s, rows, seqlen_k, shift, scale2, True, CAUSAL, STAGES, HALF, PINGPONG)
                 c += 1
         mbarrier.arrive(q_empty, count=1)  # every wgmma reading this half's queries has completed
         empty_row = l_i == 0.0
@@ -271,7 +300,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
 @gluon.jit
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q,
                            group, n_m, n_bh, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                           OVERLAP: gl.constexpr, Q_SMEM: gl.constexpr,
+                           OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr,
                            KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Persistent: a grid of at most one program per SM walks the n_m x n_bh tiles (n_m query tiles of 128 rows
     per head, n_bh = batch x heads). Q_SMEM / KV_SMEM: the 2-D shared layouts of the descriptors' boxes (the
@@ -294,6 +323,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's, one per warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # Integers equal to 1 arrive as constexprs: tensors, so every partition gets the same argument types.
     seqlen_q = gl.to_tensor(seqlen_q)
     seqlen_k = gl.to_tensor(seqlen_k)
@@ -304,11 +336,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
     n_m = gl.to_tensor(n_m)
     n_bh = gl.to_tensor(n_bh)
     gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                                     o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
-                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, 0)),
+                                     turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 0)),
                         (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                                     o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
-                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, 1)),
+                                     turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 1)),
                         (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                                      v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL,
                                      STAGES))],
@@ -319,6 +351,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -345,7 +379,7 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """The 4-D descriptor (batch, heads, seq, d) over a (batch, seq, heads, d) tensor, box (1, 1, rows, d)."""
     d = t.shape[-1]
     block = [1, 1, rows, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL[t.dtype])
+    layout = smem_layout((1, 1, rows, d), t.dtype)
     return TensorDescriptor(t, [t.shape[0], t.shape[2], t.shape[1], d], [t.stride(0), t.stride(2), t.stride(1), 1],
                             block, layout)
 
@@ -354,14 +388,16 @@ def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: i
     """o, lse = attention(q, k, v) through attn_fwd_hopper_kernel (`supports` checked by the caller)."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
-    dt = _GL[q.dtype]
-    q_smem = gl.NVMMASharedLayout.get_default_for([HALF_M, d], dt)
-    kv_smem = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
+    q_smem = smem_layout((HALF_M, d), q.dtype)  # made once per box and dtype (host time)
+    kv_smem = smem_layout((BLOCK_N, d), q.dtype)
     n_m, n_bh = cdiv(seq_q, BLOCK_M), batch * hq
     cap = PERSISTENT[bool(causal)]
     grid = (min(n_m * n_bh, num_sms(q.device)) if cap is None or n_m <= cap else n_m * n_bh,)
-    attn_fwd_hopper_kernel[grid](
+    # through runtime.launch: after a specialization's first call, straight to its compiled launcher (Triton's
+    # per-call binding costs host time that a short call does not hide)
+    launch(
+        attn_fwd_hopper_kernel, grid, None,
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
         seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d],
-        OVERLAP=OVERLAP[d], Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+        OVERLAP=OVERLAP[d], PINGPONG=PINGPONG[d], Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -33,6 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ...runtime import launch
+from ...runtime.gluon import smem_layout
 from . import hopper as _fwd
 
 HALF_N = 64  # keys per consumer warpgroup
@@ -226,9 +228,10 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, st
     (batch, heads_q, seq_q) fp32. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
-    rows = gl.NVMMASharedLayout.get_default_for([HALF_N, d], _fwd._GL[q.dtype])
+    rows = smem_layout((HALF_N, d), q.dtype)
     grid = (-(-seq_k // BLOCK_N), batch * hk)
-    attn_bwd_dkdv_hopper_kernel[grid](
+    launch(  # through runtime.launch, as the forward
+        attn_bwd_dkdv_hopper_kernel, grid, None,
         _fwd._desc(q, BLOCK_M[d]), _fwd._desc(do, BLOCK_M[d]), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, lse2.stride(0), lse2.stride(1), seq_q, seq_k,
         hk, hq // hk, scale, scale * 1.4426950408889634, CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows,

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import launch
+from ...runtime.gluon import smem_layout
 from .tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
@@ -240,16 +241,10 @@ def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
 
 
-_LAYOUTS: dict = {}
-
-
 def _layout(block: tuple, dtype: torch.dtype):
     """The shared-memory layout of a TMA box, made once per (box, dtype): building it took about 10 us of host time
     per descriptor, three descriptors per GEMM call (host-bound at the attention projections' shapes)."""
-    got = _LAYOUTS.get((block, dtype))
-    if got is None:
-        got = _LAYOUTS[(block, dtype)] = gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-    return got
+    return smem_layout(block, dtype)
 
 
 def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scaling: tuple, num_programs: int,

@@ -1,0 +1,58 @@
+"""Host (CPU) time of one attention forward call, Gluon path against Triton path, and where the Gluon path's goes.
+
+At 1k tokens a call's kernels take ~0.2 ms, and the end-to-end figure of `attention_vs_cudnn.py` falls well below
+the kernel-only one when the host cannot keep up. This prints the host microseconds per call of each path (the
+GPU kept busy: `scripts/host_time.py`'s method) and cProfile's top entries of the Gluon path.
+
+    PYTHONPATH=src python benchmarks/attention_host_time.py [--d 128] [--seq 1024] [--causal]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+
+import torch
+
+from kernelkit.ops.attention import attention, forward as fwd_mod, hopper
+
+sys.path.insert(0, "scripts")
+from host_time import cpu_us  # noqa: E402 - the shared method
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    b, h = 16384 // a.seq, 2048 // a.d
+    q, k, v = (torch.randn(b, a.seq, h, a.d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    hopper.TRITON_UP_TO.clear()  # every call the Gluon kernel takes
+
+    def run():
+        return attention(q, k, v, causal=a.causal)
+
+    for gluon in (True, False):
+        fwd_mod.GLUON = gluon
+        print(f"{'gluon' if gluon else 'triton'}: {cpu_us(run):.1f} us of host time a call", flush=True)
+    fwd_mod.GLUON = True
+    run()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
