@@ -312,6 +312,17 @@ def test_tensor_identity_survives_address_reuse():
     assert ids(b) != first
 
 
+@pytest.mark.parametrize("name,head_dim,heads,layers,vocab", [("hf-llama3-8b", 128, 32, 2, 128256),
+                                                              ("hf-llama3.2-1b", 64, 32, 4, 128256)])
+def test_hf_examples_have_the_named_models_shapes(name, head_dim, heads, layers, vocab):
+    # Issue 28 profiles the patch at both head dims: 8B's layers at 128, Llama-3.2-1B's at 64.
+    model, inputs = build_example(name, device="meta", tiny=False)
+    c = model.config
+    assert (c.hidden_size // c.num_attention_heads, c.num_attention_heads, c.num_hidden_layers, c.vocab_size) == \
+        (head_dim, heads, layers, vocab)
+    assert inputs["input_ids"].shape[1] == 2048 and inputs["labels"].shape == inputs["input_ids"].shape
+
+
 def test_predicted_mode_end_to_end_on_the_example(tmp_path):
     model, inputs = build_example("llama", device="meta", tiny=False)
     rep = profile(model, inputs, gpu="h100")

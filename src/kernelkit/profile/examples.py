@@ -94,10 +94,12 @@ class TinyLlama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
 
 
-EXAMPLES = ("llama", "hf-llama", "hf-llama3-8b")
+EXAMPLES = ("llama", "hf-llama", "hf-llama3-8b", "hf-llama3.2-1b")
 # Llama-3-8B's layer shapes, 2 decoder layers and the whole vocabulary, one 2048-token sequence (per rank): the
 # FSDP2 step of scripts/multi_gpu_check.sh (kernelkit.testing.distributed's bench runs the same shapes).
 LLAMA3_8B = {"vocab": 128256, "dim": 4096, "layers": 2, "heads": 32, "kv_heads": 8, "hidden": 14336}
+# Llama-3.2-1B's shapes (head_dim 64: 32 query heads over 8 kv heads of 2048), 4 of its 16 layers, the whole vocabulary.
+LLAMA32_1B = {"vocab": 128256, "dim": 2048, "layers": 4, "heads": 32, "kv_heads": 8, "hidden": 8192}
 
 
 def _hf_llama(cfg: dict, seq: int, dtype, device):
@@ -126,6 +128,7 @@ def build_example(name: str = "llama", device: str | None = None, tiny: bool | N
     batch 4 x seq 2048, bf16) on a GPU or the meta device (shapes only, for predicted mode); tiny
     (hidden 64, 2 layers, batch 2 x seq 32, fp32) on the CPU. hf-llama3-8b: LlamaForCausalLM with Llama-3-8B's
     layer shapes (2 layers, vocab 128256), batch 1 x seq 2048, what `profile --fsdp` runs per rank.
+    hf-llama3.2-1b: Llama-3.2-1B's shapes (head_dim 64, 4 layers, vocab 128256), batch 4 x seq 2048.
     """
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}; available: {', '.join(EXAMPLES)}")
@@ -141,6 +144,8 @@ def build_example(name: str = "llama", device: str | None = None, tiny: bool | N
         full = {"vocab": 32000, "dim": 2048, "layers": 4, "heads": 16, "kv_heads": 4, "hidden": 5632}
         if name == "hf-llama3-8b":
             full, batch = LLAMA3_8B, (batch if tiny else 1)
+        elif name == "hf-llama3.2-1b":
+            full = LLAMA32_1B
         model = _hf_llama({**full, **cfg}, seq, dtype, device)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
         return model, {"input_ids": ids, "labels": torch.randint(0, model.config.vocab_size, (batch, seq),

@@ -55,6 +55,8 @@ TRITON_UP_TO = {(64, False): 0, (64, True): 1024, (128, False): 0, (128, True): 
 OVERLAP = {64: False, 128: False}
 # FlashAttention-3's ping-pong, forced: a consumer issues its GEMMs only on its turn and hands the turn to the other
 # at once, so one warpgroup's softmax runs under the other's GEMMs by construction, not by drift (`_my_turn`).
+# H100: within 3% of the drifting order on every row, with or without OVERLAP (docs/ops/attention.md, stop 41), so
+# off; kept for A/B.
 PINGPONG = {64: False, 128: False}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 HEAD_DIMS = (64, 128)
