@@ -3,10 +3,10 @@
 A tile is 128 queries of one head. A producer warp copies the tile's two 64-row query halves, then streams the
 head's key and value tiles through a ring of STAGES shared-memory slots with TMA, K and V each signalling its own
 mbarrier (a consumer starts QKᵀ while V is still landing). Each consumer warpgroup owns one 64-row half: per key
-block it runs QKᵀ on the tensor cores (wgmma, both operands in shared memory), the online softmax in registers,
-and P·V with P straight from registers (wgmma's register A operand), then releases the slot through an mbarrier
-counting both consumers. The tensor cores serve one warpgroup's wgmma at a time, so the two drift apart and one's
-softmax runs under the other's GEMMs (FA3's ping-pong, here without a barrier forcing the order). O leaves
+block it runs QKᵀ on the tensor cores (wgmma, both operands in shared memory), the online softmax in registers, and
+P·V with P straight from registers (wgmma's register A operand), then releases the slot through an mbarrier counting
+both consumers. The tensor cores serve one warpgroup's wgmma at a time, so the two drift apart and one's softmax
+runs under the other's GEMMs (FA3's ping-pong; a barrier forcing the order, `PINGPONG`, measured no gain). O leaves
 through its own shared tiles and a TMA store left in flight.
 
 The walk (`PERSISTENT`): one program per SM walks the tiles head by head, the producer loading the next tile
@@ -133,9 +133,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 
 @gluon.jit
 def _my_turn(turn, c, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """With PINGPONG, wait until the other warpgroup has issued its GEMMs of key block c - HALF (warpgroup 0 goes
-    first; a fresh barrier counts as having completed the phase before its first). Both warpgroups walk the same
-    blocks, and neither gets more than one turn ahead, so the phase parity names the turn."""
+    """With PINGPONG, wait for this warpgroup's turn at its c-th key block: warpgroup 1's turn comes when warpgroup 0
+    has issued block c, warpgroup 0's when warpgroup 1 has issued block c - 1 (a fresh barrier counts as having
+    completed the phase before its first, so warpgroup 0 starts). Both walk the same blocks and neither gets more
+    than one turn ahead, so the phase parity names the turn."""
     if PINGPONG:
         mbarrier.wait(turn.index(HALF), (c & 1) ^ (1 - HALF))
 
