@@ -9,9 +9,6 @@ GPU kept busy: `scripts/host_time.py`'s method) and cProfile's top entries of th
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 
 import torch
@@ -19,7 +16,7 @@ import torch
 from kernelkit.ops.attention import attention, forward as fwd_mod, hopper
 
 sys.path.insert(0, "scripts")
-from host_time import cpu_us  # noqa: E402 - the shared method
+from host_time import cprofile_top, cpu_us  # noqa: E402 - the shared method
 
 
 def main(argv=None) -> int:
@@ -40,17 +37,7 @@ def main(argv=None) -> int:
         fwd_mod.GLUON = gluon
         print(f"{'gluon' if gluon else 'triton'}: {cpu_us(run):.1f} us of host time a call", flush=True)
     fwd_mod.GLUON = True
-    run()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        run()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-    print(s.getvalue())
+    print(cprofile_top(run, top=a.top))
     return 0
 
 

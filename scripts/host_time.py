@@ -30,6 +30,25 @@ def cpu_us(fn, n=300, repeats=9, device="cuda"):
     return min(runs)
 
 
+def cprofile_top(fn, calls=200, top=25, sort="tottime") -> str:
+    """cProfile's `top` entries by `sort` over `calls` back-to-back calls of fn (after one warm call)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
+    return out.getvalue()
+
+
 def main(ops, device="cuda", n=300, repeats=9):
     print("kernelkit from", kernelkit.__file__)
 
