@@ -63,7 +63,7 @@ def _kk(gluon: bool | None):
 
 
 def _kk_variant(stages: int | None = None, persistent: bool | None = None, overlap: bool | None = None,
-                pingpong: bool | None = None):
+                pingpong: bool | None = None, consumers: int | None = None):
     """kernelkit's Gluon forward with `stages` K/V ring slots at d64 (d128 fits 2 only) and / or the persistent walk,
     the intra-warpgroup overlap or the forced ping-pong on or off."""
     from kernelkit.ops.attention import hopper
@@ -71,7 +71,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
     def run(q, k, v, causal):
         fwd_mod.GLUON = bwd_mod.GLUON = True
         old = (dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO),
-               dict(hopper.PINGPONG))
+               dict(hopper.PINGPONG), dict(hopper.CONSUMERS))
         hopper.TRITON_UP_TO.clear()
         if stages:
             hopper.STAGES[64] = stages
@@ -81,6 +81,8 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
             hopper.OVERLAP[q.shape[-1]] = overlap
         if pingpong is not None:
             hopper.PINGPONG[q.shape[-1]] = pingpong
+        if consumers is not None and q.shape[-1] == 64:  # d128 fits two only
+            hopper.CONSUMERS[64] = consumers
         try:
             return attention(q, k, v, causal=causal)
         finally:
@@ -89,6 +91,7 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
             hopper.OVERLAP.update(old[2])
             hopper.TRITON_UP_TO.update(old[3])
             hopper.PINGPONG.update(old[4])
+            hopper.CONSUMERS.update(old[5])
     return run
 
 
@@ -101,7 +104,7 @@ def _fa4():
     return run
 
 
-def impls(want_fa4: bool, stages=(), variants=False) -> dict:
+def impls(want_fa4: bool, stages=(), variants=False, consumers=()) -> dict:
     from torch.nn.attention import SDPBackend
 
     got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None),
@@ -112,6 +115,8 @@ def impls(want_fa4: bool, stages=(), variants=False) -> dict:
         got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-overlap": _kk_variant(overlap=True),
                     "kk-gluon-pingpong": _kk_variant(overlap=False, pingpong=True),
                     "kk-gluon-overlap-pingpong": _kk_variant(overlap=True, pingpong=True)})
+    if consumers:
+        got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -170,9 +175,11 @@ def main(argv=None) -> int:
                     help="also the Gluon forward with one program per tile, and with the intra-warpgroup overlap")
     ap.add_argument("--kernel-time", action="store_true",
                     help="also each call's kernels' device time alone (torch.profiler; host time excluded)")
+    ap.add_argument("--consumers", default="", help="also the Gluon forward with these consumer counts at d64 (2,3)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
-    fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants)
+    fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants,
+                [int(n) for n in a.consumers.split(",") if n])
     todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

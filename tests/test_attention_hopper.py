@@ -93,13 +93,21 @@ def test_attention_fwd_routes_supported_calls_to_gluon(monkeypatch):
     assert calls[-1] == "triton"
 
 
+def test_three_consumers_only_where_they_measured_faster(monkeypatch):
+    monkeypatch.setitem(hopper.CONSUMERS, 64, 3)
+    assert hopper.consumers(64, False, 1024) == 3 and hopper.consumers(64, False, 16384) == 3
+    assert hopper.consumers(64, True, 16384) == 3  # 86 tiles a head: one program per tile
+    assert hopper.consumers(64, True, 4096) == 2 and hopper.consumers(64, True, 1024) == 2  # the persistent walk
+    assert hopper.consumers(128, False, 16384) == 2
+
+
 _BUILD = r"""
 import json, sys
 import torch
 from triton.experimental.gluon import language as gl
 from kernelkit.ops.attention import hopper
 from kernelkit.testing.compile_check import compile_gluon
-d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+d, causal, n_wg = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
 q, k, o = (torch.empty(s, dtype=torch.bfloat16) for s in ((2, 200, 4, d), (2, 300, 2, d), (2, 200, 4, d)))
 lse = torch.empty(2, 4, 200)
 args = dict(q_desc=hopper._desc(q, hopper.HALF_M), k_desc=hopper._desc(k, hopper.BLOCK_N),
@@ -109,20 +117,21 @@ args = dict(q_desc=hopper._desc(q, hopper.HALF_M), k_desc=hopper._desc(k, hopper
 const = dict(CAUSAL=causal, STAGES=hopper.STAGES[d], OVERLAP=hopper.OVERLAP[d], PINGPONG=hopper.PINGPONG[d],
              Q_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.HALF_M, d], gl.bfloat16),
              KV_SMEM=gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_N, d], gl.bfloat16),
-             CONSUMER_REGS=hopper.CONSUMER_REGS, PRODUCER_REGS=hopper.PRODUCER_REGS)
+             CONSUMER_REGS=hopper.CONSUMER_REGS if n_wg == 2 else hopper.CONSUMER_REGS_3,
+             PRODUCER_REGS=hopper.PRODUCER_REGS, N_WG=n_wg)
 r = compile_gluon(hopper.attn_fwd_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))
 """
 
 
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_sm90_build_fits_without_spills_or_serialized_wgmma(d, causal):
+@pytest.mark.parametrize("d,causal,n_wg", [(128, True, 2), (64, False, 2), (64, True, 3)])
+def test_sm90_build_fits_without_spills_or_serialized_wgmma(d, causal, n_wg):
     # Gluon has no interpreter: CI builds the kernel for the H100 (Triton's compiler, then ptxas) in a process
     # that is not interpreting, and checks what the design needs: shared memory within the SM's 227 KiB, no
     # spills, and no C7514 (ptxas serializing the wgmmas).
     import json
 
-    run = compile_check.run_uninterpreted(_BUILD, (d, int(causal)), timeout=600)
+    run = compile_check.run_uninterpreted(_BUILD, (d, int(causal), n_wg), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0, r["ptxas"]
@@ -184,6 +193,22 @@ def test_gpu_gluon_every_schedule_matches_fp64_reference(case, overlap, pingpong
     b, sq, sk, hq, hk, d, dtype, causal = case
     monkeypatch.setitem(hopper.OVERLAP, d, overlap)
     monkeypatch.setitem(hopper.PINGPONG, d, pingpong)
+    calls = _counting(monkeypatch)
+    _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()
+    assert calls, "the Gluon kernel did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] == 64],
+                         ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_gpu_gluon_three_consumers_match_fp64_reference(case, monkeypatch):
+    # 192-query tiles at d64 (CONSUMERS[64] = 3), whichever ships: ragged tiles, rows with no key, MQA. Causal calls
+    # take three consumers only off the persistent walk (`consumers`): the walk is turned off for them here.
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    monkeypatch.setitem(hopper.CONSUMERS, 64, 3)
+    monkeypatch.setitem(hopper.PERSISTENT, True, 0)
+    assert hopper.consumers(d, causal, sq) == 3
     calls = _counting(monkeypatch)
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()
     assert calls, "the Gluon kernel did not run"

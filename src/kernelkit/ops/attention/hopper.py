@@ -35,7 +35,13 @@ from ...runtime.gluon import smem_layout
 from .tiles import tma_compatible
 
 HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
-BLOCK_M = 2 * HALF_M
+# Consumer warpgroups per program, by head_dim: a query tile is CONSUMERS x 64 rows. FA3 runs three at d64 (192-row
+# tiles: more queries per K/V block loaded, more warps to hide the softmax); their registers come from the same 64K,
+# and d128 has neither the registers nor the shared memory for three. H100 (docs/ops/attention.md, stop 41), d64
+# forward against two consumers: s16384 502 vs 404-438 TFLOP/s (cuDNN 455), s16384 causal 477 vs 388-426 (cuDNN 448),
+# s4096 448 vs 415; but slower on the causal persistent walk (s4096 causal 364 vs 377, s1024 causal 167 vs 263), so
+# causal calls whose walk is persistent keep two (`consumers`).
+CONSUMERS = {64: 3, 128: 2}
 BLOCK_N = 128
 # K/V ring slots per head_dim: d128 holds 2 x (32 + 32) KiB of K/V beside 32 KiB of Q and 32 KiB of O tiles
 # (192 of the SM's 227 KiB); d64 has room for more.
@@ -59,6 +65,7 @@ OVERLAP = {64: False, 128: False}
 # off; kept for A/B.
 PINGPONG = {64: False, 128: False}
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
+CONSUMER_REGS_3 = 160  # three consumer warpgroups and the producer warp share the SM's 64K registers
 HEAD_DIMS = (64, 128)
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 NEG_INF = gl.constexpr(float("-inf"))
@@ -106,16 +113,17 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
     with the last tile's, then every key block's K and V into the ring once both consumers have released the
     slot. It runs ahead into the next tile while the consumers finish this one."""
     HALF: gl.constexpr = q_desc.block_type.shape[2]
+    N_WG: gl.constexpr = q_bufs.type.shape[0]  # consumer warpgroups: query pieces of HALF rows a tile
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     c = gl.to_tensor(0)  # key blocks issued, over all tiles: the ring's slot and phase
     i = gl.to_tensor(0)  # tiles issued
     for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, 2 * HALF)
-        _, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF, BLOCK_N)
+        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, N_WG * HALF)
+        _, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, N_WG * HALF, BLOCK_N)
         # A fresh barrier counts as having completed the phase before its first: round 0 passes at once.
         mbarrier.wait(q_empty, (i & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        for half in gl.static_range(2):
+        mbarrier.expect(q_ready, N_WG * q_desc.block_type.nbytes)
+        for half in gl.static_range(N_WG):
             dst = q_bufs.index(half)._reinterpret(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF, 0], q_ready, dst)
         for j in range(n_total):
@@ -226,6 +234,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
     streams; then O / l through its own shared-memory slot and a TMA store left in flight under the next tile,
     and the rows' log-sum-exp."""
     HALF_M: gl.constexpr = q_bufs.type.shape[1]
+    N_WG: gl.constexpr = q_bufs.type.shape[0]
     HEAD_D: gl.constexpr = q_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -241,8 +250,8 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
     c = gl.to_tensor(0)
     i = gl.to_tensor(0)
     for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, 2 * HALF_M)
-        n_full, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, m0 = _tile(t, n_m, n_bh, n_heads_q, group, CAUSAL, N_WG * HALF_M)
+        n_full, n_total = _block_range(m0, seqlen_q, seqlen_k, CAUSAL, N_WG * HALF_M, BLOCK_N)
         rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_s)
         m_i = gl.full([HALF_M], NEG_INF, gl.float32, layout=row_s)
         l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
@@ -304,28 +313,30 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q,
                            group, n_m, n_bh, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                            OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, Q_SMEM: gl.constexpr,
-                           KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Persistent: a grid of at most one program per SM walks the n_m x n_bh tiles (n_m query tiles of 128 rows
-    per head, n_bh = batch x heads). Q_SMEM / KV_SMEM: the 2-D shared layouts of the descriptors' boxes (the
-    same swizzle; the copies see the buffers through the descriptors' 4-D layouts)."""
+                           KV_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           N_WG: gl.constexpr = 2):
+    """Persistent: a grid of at most one program per SM walks the n_m x n_bh tiles (n_m query tiles of N_WG x 64
+    rows per head, one consumer warpgroup a 64-row piece (N_WG 2 or 3), n_bh = batch x heads). Q_SMEM / KV_SMEM: the
+    2-D shared layouts of the descriptors' boxes (the same swizzle; the copies see the buffers through the
+    descriptors' 4-D layouts)."""
     HALF: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_D], Q_SMEM)
-    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2, HALF, HEAD_D], Q_SMEM)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [N_WG, HALF, HEAD_D], Q_SMEM)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [N_WG, HALF, HEAD_D], Q_SMEM)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], KV_SMEM)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], KV_SMEM)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)
+    mbarrier.init(q_empty, count=N_WG)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(kv_empty.index(i), count=N_WG)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's, one per warpgroup
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
@@ -338,16 +349,32 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, strid
     group = gl.to_tensor(group)
     n_m = gl.to_tensor(n_m)
     n_bh = gl.to_tensor(n_bh)
-    gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                                     turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
-                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 0)),
-                        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                                     turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
-                                     seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 1)),
-                        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                     v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL,
-                                     STAGES))],
-                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (the frontend takes no tuple arithmetic: each partition's arguments are written out)
+    if N_WG == 3:
+        gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                         turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                         seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 0)),
+                            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                         turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                         seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 1)),
+                            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                         turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                         seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 2)),
+                            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                         v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL,
+                                         STAGES))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                         turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                         seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 0)),
+                            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                                         turn, o_desc, LSE, stride_lb, stride_lh, n_m, n_bh, n_heads_q, group, seqlen_q,
+                                         seqlen_k, scale2, CAUSAL, STAGES, OVERLAP, PINGPONG, 1)),
+                            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                         v_ready, kv_empty, n_m, n_bh, n_heads_q, group, seqlen_q, seqlen_k, CAUSAL,
+                                         STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(q_ready)
     mbarrier.invalidate(q_empty)
     for i in gl.static_range(STAGES):
@@ -387,13 +414,24 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             block, layout)
 
 
+def consumers(d: int, causal: bool, seq_q: int) -> int:
+    """Consumer warpgroups for this call: CONSUMERS[d], but two where three measured slower (a causal call whose
+    192-row tiles the persistent walk would take)."""
+    n_wg = CONSUMERS[d]
+    cap = PERSISTENT[bool(causal)]
+    if n_wg == 3 and causal and (cap is None or cdiv(seq_q, 3 * HALF_M) <= cap):
+        return 2
+    return n_wg
+
+
 def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: int | None = None) -> None:
     """o, lse = attention(q, k, v) through attn_fwd_hopper_kernel (`supports` checked by the caller)."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
     q_smem = smem_layout((HALF_M, d), q.dtype)  # made once per box and dtype (host time)
     kv_smem = smem_layout((BLOCK_N, d), q.dtype)
-    n_m, n_bh = cdiv(seq_q, BLOCK_M), batch * hq
+    n_wg = consumers(d, causal, seq_q)
+    n_m, n_bh = cdiv(seq_q, n_wg * HALF_M), batch * hq
     cap = PERSISTENT[bool(causal)]
     grid = (min(n_m * n_bh, num_sms(q.device)) if cap is None or n_m <= cap else n_m * n_bh,)
     # through runtime.launch: after a specialization's first call, straight to its compiled launcher (Triton's
@@ -402,5 +440,6 @@ def attention_fwd_hopper(q, k, v, o, lse, causal: bool, scale2: float, stages: i
         attn_fwd_hopper_kernel, grid, None,
         _desc(q, HALF_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(o, HALF_M), lse, lse.stride(0), lse.stride(1),
         seq_q, seq_k, hq, hq // hk, n_m, n_bh, scale2, CAUSAL=bool(causal), STAGES=stages or STAGES[d],
-        OVERLAP=OVERLAP[d], PINGPONG=PINGPONG[d], Q_SMEM=q_smem, KV_SMEM=kv_smem, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        OVERLAP=OVERLAP[d], PINGPONG=PINGPONG[d] and n_wg == 2, Q_SMEM=q_smem, KV_SMEM=kv_smem,
+        CONSUMER_REGS=CONSUMER_REGS if n_wg == 2 else CONSUMER_REGS_3, PRODUCER_REGS=PRODUCER_REGS, N_WG=n_wg,
+        num_warps=4)
