@@ -117,6 +117,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=()) -> dict:
                     "kk-gluon-overlap-pingpong": _kk_variant(overlap=True, pingpong=True)})
     if consumers:
         got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
+        got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -39,8 +39,8 @@ HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
 # tiles: more queries per K/V block loaded, more warps to hide the softmax); their registers come from the same 64K,
 # and d128 has neither the registers nor the shared memory for three. H100 (docs/ops/attention.md, stop 41), d64
 # forward against two consumers: s16384 502 vs 404-438 TFLOP/s (cuDNN 455), s16384 causal 477 vs 388-426 (cuDNN 448),
-# s4096 448 vs 415; but slower on the causal persistent walk (s4096 causal 364 vs 377, s1024 causal 167 vs 263), so
-# causal calls whose walk is persistent keep two (`consumers`).
+# s4096 448 vs 415; but slower for short causal heads (s4096 causal 364 vs 377, s1024 causal 167 vs 263, with the
+# persistent walk or one program per tile alike), so causal heads of up to 32 such tiles keep two (`consumers`).
 CONSUMERS = {64: 3, 128: 2}
 BLOCK_N = 128
 # K/V ring slots per head_dim: d128 holds 2 x (32 + 32) KiB of K/V beside 32 KiB of Q and 32 KiB of O tiles
@@ -415,8 +415,8 @@ def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def consumers(d: int, causal: bool, seq_q: int) -> int:
-    """Consumer warpgroups for this call: CONSUMERS[d], but two where three measured slower (a causal call whose
-    192-row tiles the persistent walk would take)."""
+    """Consumer warpgroups for this call: CONSUMERS[d], but two where three measured slower: causal heads of up to
+    PERSISTENT[True] 192-row tiles (6144 queries; measured at 1024 and 4096, and faster at 16384)."""
     n_wg = CONSUMERS[d]
     cap = PERSISTENT[bool(causal)]
     if n_wg == 3 and causal and (cap is None or cdiv(seq_q, 3 * HALF_M) <= cap):
