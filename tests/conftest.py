@@ -30,17 +30,95 @@ SLOW_VARIANTS = (
     "tests/test_moe.py::test_fp8_backward_against_float64_of_the_quantized_backward[shape0-dtype1-balanced-fp8]",
     "tests/test_patch.py::test_fully_masked_queries_answer_as_the_original_attention[eager-dtype1]",
     "tests/test_layouts.py::test_arguments_beyond_make_inputs[moe_experts]",  # 10-18 s; moe_fp8's layouts stay
+    # stop 41, 11-23 s each, checks of GPU-side behaviour or of the patched model that the GPU suite runs (its test
+    # stage takes the slow tests too); their neighbours in the same files stay in CI
+    "tests/test_patch.py::test_a_fallback_under_compile_does_not_recompile_every_call",
+    "tests/test_patch_choose.py::test_fp8_trials_of_linears_whose_rows_are_made_upstream_do_not_quantize_them",
+    "tests/test_moe.py::test_no_host_sync",
+    "tests/test_fp8_linear.py::test_patch_precision_fp8_trains_close_to_bf16",
+    "tests/test_patch_decoder.py::test_rms_norm_off_or_fp8_rows_keep_the_add_apart",
 )
+
+
+# Heavily parametrized interpreter tests of which CI runs a pairwise-covering subset (stop 41, CI's 15-minute budget):
+# every pair of parameter values any variant takes is still taken by a variant in CI (`_check_thinning` checks it at
+# collection), and every variant runs in `make test-all` and the GPU suite.
+THINNED = (
+    "tests/test_moe.py::test_fp8_backward_against_float64_of_the_quantized_backward",
+    "tests/test_moe.py::test_mxfp8_forward_against_float64_of_the_quantized_layer",
+    "tests/test_moe.py::test_forward_and_gradients_against_float64",
+    "tests/test_norm_wide_rows.py::test_layer_norm_strided_rows_large_mean",
+    "tests/test_norm_wide_rows.py::test_rms_norm_strided_rows_weight_offset",
+    "tests/test_cross_entropy.py::test_matches_fp64_reference",
+    "tests/test_cross_entropy.py::test_each_feature",
+    "tests/test_cross_entropy.py::test_class_weights_match_torch_in_float64",
+    "tests/test_linear_cross_entropy.py::test_each_feature_over_several_chunks",
+    "tests/test_linear_cross_entropy.py::test_class_weights_match_torch",
+)
+_NOT_PAIRED = ("device",)  # fixtures parametrized by device: one value on the CPU
+
+
+def _pairs(item) -> set:
+    """The (parameter, value) pairs of one variant, two at a time (one at a time for a single parameter)."""
+    vals = sorted((n, repr(v)) for n, v in item.callspec.params.items() if n not in _NOT_PAIRED)
+    if len(vals) < 2:
+        return {tuple(vals)}
+    return {(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]}
+
+
+def _thinnable(items) -> dict:
+    """The THINNED tests' variants CI would run without thinning (not slow already), by test."""
+    groups: dict = {}
+    for item in items:
+        base = item.nodeid.split("[")[0]
+        if base in THINNED and hasattr(item, "callspec") and item.get_closest_marker("slow") is None \
+                and item.nodeid not in SLOW_VARIANTS:
+            groups.setdefault(base, []).append(item)
+    return groups
+
+
+def thinned_out(items) -> set:
+    """Node ids of the THINNED tests' variants CI leaves out: of each test, all but a greedy pairwise cover of the
+    variants CI would otherwise run, picked in collection order."""
+    groups = _thinnable(items)
+    out = set()
+    for variants in groups.values():
+        todo = set().union(*(_pairs(v) for v in variants))
+        kept = []
+        while todo:
+            best = max(variants, key=lambda v: len(_pairs(v) & todo))  # the first of the best, in order
+            kept.append(best)
+            todo -= _pairs(best)
+        out |= {v.nodeid for v in variants if v not in kept}
+    return out
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    before = _thinnable(items)
+    thin = thinned_out(items)
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if item.nodeid in SLOW_VARIANTS:
+        if item.nodeid in SLOW_VARIANTS or item.nodeid in thin:
             item.add_marker(pytest.mark.slow)
+    _check_thinning(before)
+
+
+def _check_thinning(before: dict) -> None:
+    """Every pair of parameter values the variants CI ran before thinning take (`_thinnable`) is taken by a variant
+    still in CI."""
+    pairs: dict = {}
+    for base, variants in before.items():
+        for item in variants:
+            in_ci = item.get_closest_marker("slow") is None
+            for pair in _pairs(item):
+                pairs[(base, pair)] = pairs.get((base, pair), False) or in_ci
+    missing = [f"{b} {p}" for (b, p), kept in pairs.items() if not kept]
+    if missing:
+        raise pytest.UsageError("thinned tests leave these parameter values out of CI (tests/conftest.py THINNED): "
+                                + "; ".join(missing))
 
 
 def node_seed(nodeid: str) -> int:
