@@ -5,6 +5,9 @@ PYTHONPATH to compare them in one session (scripts/gpu_check.sh's host stage):
     PYTHONPATH=src python3 scripts/host_time.py rms_norm softmax    # one line per op and mode
 """
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -32,10 +35,6 @@ def cpu_us(fn, n=300, repeats=9, device="cuda"):
 
 def cprofile_top(fn, calls=200, top=25, sort="tottime") -> str:
     """cProfile's `top` entries by `sort` over `calls` back-to-back calls of fn (after one warm call)."""
-    import cProfile
-    import io
-    import pstats
-
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import launch
-from ...runtime.gluon import smem_layout
+from ...runtime.gluon import GL_DTYPES, smem_layout
 from .tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
@@ -45,8 +45,7 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 
 STAGES = 5  # 32 KiB of a and b per stage (+ 32-64 KiB of C tiles: 5 fit in 227 KiB); on the H100 at 4096^3,
 # 3 / 4 / 5 stages gave 1097 / 1206 / 1239 TFLOP/s (benchmarks/experiments/h100/scaled_matmul/fp8_gluon_ws.json)
 GROUP_M = 8
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
-              torch.float16: gl.float16, torch.float32: gl.float32}
+_GL_DTYPES = GL_DTYPES  # torch dtype -> Gluon dtype (runtime/gluon.py)
 
 
 @gluon.jit
@@ -241,12 +240,6 @@ def supports(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
 
 
-def _layout(block: tuple, dtype: torch.dtype):
-    """The shared-memory layout of a TMA box, made once per (box, dtype): building it took about 10 us of host time
-    per descriptor, three descriptors per GEMM call (host-bound at the attention projections' shapes)."""
-    return smem_layout(block, dtype)
-
-
 def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scaling: tuple, num_programs: int,
                    stages: int = STAGES) -> None:
     """out = (a * scale_a) @ (b * scale_b) + bias through fp8_precise_kernel (see `supports`). a_scaling and
@@ -258,7 +251,8 @@ def launch_precise(a, b, out, scale_a, scale_b, bias, a_scaling: tuple, b_scalin
     n = b.shape[1]
 
     def desc(t, shape, strides, block):
-        return TensorDescriptor(t, shape, strides, block, _layout(tuple(block), t.dtype))
+        # the layout made once per (box, dtype): ~10 us of host time each, three a call
+        return TensorDescriptor(t, shape, strides, block, smem_layout(tuple(block), t.dtype))
 
     a_desc = desc(a, [m, k], [a.stride(0), 1], [BLOCK_M // 2, BLOCK_K])  # one 64-row half per consumer
     b_desc = desc(b, [n, k], [b.stride(1), 1], [BLOCK_N, BLOCK_K])  # b (K, N) column-major: w (N, K) row-major
