@@ -22,7 +22,8 @@ import triton
 from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod
 from kernelkit.testing.bench import kernel_time_ms
 
-SHIPPED_BWD = bwd_mod.GLUON  # KERNELKIT_ATTENTION_GLUON_BWD (off by default)
+SHIPPED_BWD = bwd_mod.GLUON  # KERNELKIT_ATTENTION_GLUON_BWD
+SHIPPED_FUSED = bwd_mod.GLUON_FUSED_DQ
 
 
 def rows():
@@ -59,6 +60,18 @@ def _kk(gluon: bool | None):
             return attention(q, k, v, causal=causal)
         finally:
             hopper.TRITON_UP_TO.update(old)
+    return run
+
+
+def _kk_bwd(fused_dq: bool):
+    """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
+    the Triton dQ kernel."""
+    def run(q, k, v, causal):
+        fwd_mod.GLUON, bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = True, True, fused_dq
+        try:
+            return attention(q, k, v, causal=causal)
+        finally:
+            bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = SHIPPED_BWD, SHIPPED_FUSED
     return run
 
 
@@ -104,7 +117,7 @@ def _fa4():
     return run
 
 
-def impls(want_fa4: bool, stages=(), variants=False, consumers=()) -> dict:
+def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=False) -> dict:
     from torch.nn.attention import SDPBackend
 
     got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None),
@@ -118,6 +131,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=()) -> dict:
     if consumers:
         got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
+    if bwd_variants:
+        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-gluon-dq2": _kk_bwd(False)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -177,10 +192,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-time", action="store_true",
                     help="also each call's kernels' device time alone (torch.profiler; host time excluded)")
     ap.add_argument("--consumers", default="", help="also the Gluon forward with these consumer counts at d64 (2,3)")
+    ap.add_argument("--bwd-variants", action="store_true",
+                    help="also the Gluon dK / dV kernel with dQ fused (atomics) and with the Triton dQ kernel")
+    ap.add_argument("--only", default="", help="comma-separated implementations to time (default: all)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
     fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants,
-                [int(n) for n in a.consumers.split(",") if n])
+                [int(n) for n in a.consumers.split(",") if n], a.bwd_variants)
+    if a.only:
+        fns = {n: f for n, f in fns.items() if n in a.only.split(",")}
     todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

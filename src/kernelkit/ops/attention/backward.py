@@ -41,9 +41,11 @@ ATOMIC_DQ = True
 # ... except from these sizes up, where the separate dq kernel measured faster on the H100.
 SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
-# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call, with dQ from the
-# Triton dQ kernel (no atomics); KERNELKIT_ATTENTION_GLUON_BWD=0 keeps the Triton dK / dV kernel.
+# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call;
+# KERNELKIT_ATTENTION_GLUON_BWD=0 keeps the Triton dK / dV kernel.
 GLUON = switches.on("KERNELKIT_ATTENTION_GLUON_BWD")
+# ... with dQ in the same kernel, by atomics, unless the caller asks for determinism (then the Triton dQ kernel).
+GLUON_FUSED_DQ = True
 
 
 @triton.jit
@@ -333,6 +335,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     dq_strides = row_strides(dq_acc, varlen) if atomic else (0, 0, 0)
     grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
     key = (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype)
+    if gluon and GLUON_FUSED_DQ and not deterministic:
+        dq = empty(q.shape, dtype=q.dtype, device=q.device)
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
+        return dq, dk, dv
     if gluon:
         _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale)
     else:

@@ -96,9 +96,19 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
 
 
 @gluon.jit
-def _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base, stride_lh,
-          seqlen_q, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One query block for one warpgroup's 64 keys (the module docstring's five products)."""
+def _red_add_pairs(ptrs, values):
+    """*ptrs += values, fp32, without a result: one `red.global.add.v2.f32` (sm_90) per two neighbouring elements
+    of a thread (the wgmma accumulator's column pairs, neighbours in memory, 8-byte aligned)."""
+    gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;",
+                              "=r,=r,l,l,r,r", [ptrs.to(gl.int64, bitcast=True), values.to(gl.int32, bitcast=True)],
+                              dtype=gl.int32, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, DQ_ACC,
+          l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """One query block for one warpgroup's 64 keys (the module docstring's products)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
     acc_layout: gl.constexpr = dk.type.layout
@@ -123,17 +133,40 @@ def _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, L
     delta = gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0)  # loaded late: fewer live registers
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dp_t))
     dv, dp_t = dp_t
-    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-    dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_bufs.dtype), op_layout), q, dk, is_async=True)
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-    mbarrier.arrive(empty.index(slot), count=1)
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
+    if FUSED_DQ:
+        # dQᵀ (head_dim x queries) = Kᵀ dSᵀ over this warpgroup's 64 keys, from dSᵀ through shared memory, 64
+        # head-dim rows at a time (fewer live registers); each share goes into the fp32 dQ buffer with atomics
+        # (Gluon on Triton 3.6 has no TMA reduce).
+        HEAD_D: gl.constexpr = k.type.shape[1]
+        ds_buf.store(ds_t)
+        fence_async_shared()
+        # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every
+        # offset is a constant and a thread's two neighbouring queries are neighbours in memory
+        qrows = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        dq_rows = (DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
+                   + gl.expand_dims(qrows, 0))
+        for i in gl.static_range(HEAD_D // 64):
+            dq_t = warpgroup_mma(k.slice(i * 64, 64, dim=1).permute((1, 0)), ds_buf,
+                                 gl.zeros([64, BM], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            if i == 0:
+                dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
+                mbarrier.arrive(empty.index(slot), count=1)
+            else:
+                dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
+            cols = i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+            _red_add_pairs(dq_rows + gl.expand_dims(cols * BM, 1), dq_t * scale)
+    else:
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+        mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, stride_lb,
-              stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr, HALF: gl.constexpr):
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
+              stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
+              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -149,6 +182,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv
     shift = seqlen_k - seqlen_q
     lo, a, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF_N)
     l_base = b.to(gl.int64) * stride_lb
+    dq_base = b.to(gl.int64) * stride_dqb
+    ds_buf = ds_bufs.index(HALF)
     k = k_bufs.index(HALF)
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
@@ -156,12 +191,14 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv
     for g in range(group):
         h = hk * group + g
         for mb in range(lo, a):
-            dk, dv = _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base,
-                           stride_lh, seqlen_q, shift, scale2, True, CAUSAL, STAGES)
+            dk, dv = _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
+                           DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
+                           True, CAUSAL, STAGES, FUSED_DQ)
             c += 1
         for mb in range(a, hi):
-            dk, dv = _step(k, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base,
-                           stride_lh, seqlen_q, shift, scale2, False, CAUSAL, STAGES)
+            dk, dv = _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
+                           DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
+                           False, CAUSAL, STAGES, FUSED_DQ)
             c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
@@ -175,11 +212,14 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv
 
 
 @gluon.jit
-def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, stride_lb,
-                                stride_lh, seqlen_q, seqlen_k, n_heads_k, group, scale, scale2,
-                                CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box."""
+def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
+                                stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
+                                scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                PRODUCER_REGS: gl.constexpr):
+    """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
+    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
+    layout of q, strides in elements), else the caller runs the Triton dQ kernel."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -190,6 +230,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BM], DS_SMEM)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -203,12 +244,16 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     group = gl.to_tensor(group)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
-                                     DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-                                     scale2, CAUSAL, STAGES, 0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
-                                     DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-                                     scale2, CAUSAL, STAGES, 1)),
+    stride_dqb = gl.to_tensor(stride_dqb)
+    stride_dqh = gl.to_tensor(stride_dqh)
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc,
+                                     LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc,
+                                     LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -223,16 +268,24 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
     return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
 
 
-def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, stages: int = STAGES) -> None:
+def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
+                stages: int = STAGES) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
-    (batch, heads_q, seq_q) fp32. `supports` checked by the caller."""
+    (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by atomics into a
+    zeroed fp32 buffer of dQᵀ tiles that is then copied into `dq`. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
+    bm = BLOCK_M[d]
     rows = smem_layout((HALF_N, d), q.dtype)
+    n_mb = -(-seq_q // bm)
+    dq_acc = torch.zeros(batch, hq, n_mb, d, bm, dtype=torch.float32, device=q.device) if dq is not None else lse2
     grid = (-(-seq_k // BLOCK_N), batch * hk)
     launch(  # through runtime.launch, as the forward
         attn_bwd_dkdv_hopper_kernel, grid, None,
-        _fwd._desc(q, BLOCK_M[d]), _fwd._desc(do, BLOCK_M[d]), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
-        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, lse2.stride(0), lse2.stride(1), seq_q, seq_k,
-        hk, hq // hk, scale, scale * 1.4426950408889634, CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        _fwd._desc(q, bm), _fwd._desc(do, bm), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
+        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
+        dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
+        CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows, DS_SMEM=smem_layout((HALF_N, bm), q.dtype),
+        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
+        dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
