@@ -45,6 +45,8 @@ BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
+# dQ fused: the two warpgroups share their dSᵀ and each adds half of dQ (True), or each adds its own keys' share
+SHARE_DS = True
 
 
 @gluon.jit
@@ -105,13 +107,51 @@ def _red_add_pairs(ptrs, values):
 
 
 @gluon.jit
-def _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, DQ_ACC,
-          l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
-          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
+def _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF: gl.constexpr):
+    """dQ with the two warpgroups' dSᵀ shared: each writes its 64 keys' dSᵀ to shared memory (two slots, so a
+    warpgroup one step ahead never overwrites what the other still reads), and once both are there computes half of
+    dQᵀ = Kᵀ dSᵀ over all 128 keys: head-dim rows 64 HALF.. at d128, query columns BM/2 HALF.. at d64. One atomic
+    per element and key block, not two."""
+    BM: gl.constexpr = ds_bufs.type.shape[2]
+    HEAD_D: gl.constexpr = k_bufs.type.shape[2]
+    NQ: gl.constexpr = BM if HEAD_D == 128 else BM // 2
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    dslot = c % 2
+    ds_bufs.index(dslot * 2 + HALF).store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
+    mbarrier.arrive(ds_bar.index(dslot), count=1)
+    mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
+    acc = gl.zeros([64, NQ], gl.float32, layout=acc_l)
+    for j in gl.static_range(2):
+        if HEAD_D == 128:
+            a_op = k_bufs.index(j).slice(HALF * 64, 64, dim=1).permute((1, 0))
+            b_op = ds_bufs.index(dslot * 2 + j)
+        else:
+            a_op = k_bufs.index(j).permute((1, 0))
+            b_op = ds_bufs.index(dslot * 2 + j).slice(HALF * NQ, NQ, dim=1)
+        acc = warpgroup_mma(a_op, b_op, acc, use_acc=j > 0, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every offset is
+    # a constant and a thread's two neighbouring queries are neighbours in memory
+    c0: gl.constexpr = HALF * 64 if HEAD_D == 128 else 0
+    q0: gl.constexpr = 0 if HEAD_D == 128 else HALF * NQ
+    qcols = q0 + gl.arange(0, NQ, layout=gl.SliceLayout(0, acc_l))
+    drows = c0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    base = DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
+    _red_add_pairs(base + gl.expand_dims(drows * BM, 1) + gl.expand_dims(qcols, 0), acc * scale)
+
+
+@gluon.jit
+def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
+          DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
+          HALF: gl.constexpr):
     """One query block for one warpgroup's 64 keys (the module docstring's products)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
     acc_layout: gl.constexpr = dk.type.layout
+    k = k_bufs.index(HALF)
     HALF_N: gl.constexpr = k.type.shape[0]
     zero_s = gl.zeros([HALF_N, BM], gl.float32, layout=s_layout)  # made here: no registers held across steps
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -136,27 +176,33 @@ def _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s,
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
     dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
     if FUSED_DQ:
-        # dQᵀ (head_dim x queries) = Kᵀ dSᵀ over this warpgroup's 64 keys, from dSᵀ through shared memory, 64
-        # head-dim rows at a time (fewer live registers); each share goes into the fp32 dQ buffer with atomics
-        # (Gluon on Triton 3.6 has no TMA reduce).
         HEAD_D: gl.constexpr = k.type.shape[1]
-        ds_buf.store(ds_t)
-        fence_async_shared()
-        # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every
-        # offset is a constant and a thread's two neighbouring queries are neighbours in memory
-        qrows = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-        dq_rows = (DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
-                   + gl.expand_dims(qrows, 0))
-        for i in gl.static_range(HEAD_D // 64):
-            dq_t = warpgroup_mma(k.slice(i * 64, 64, dim=1).permute((1, 0)), ds_buf,
-                                 gl.zeros([64, BM], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-            if i == 0:
-                dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
-                mbarrier.arrive(empty.index(slot), count=1)
-            else:
-                dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
-            cols = i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-            _red_add_pairs(dq_rows + gl.expand_dims(cols * BM, 1), dq_t * scale)
+        if SHARE_DS:
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(empty.index(slot), count=1)
+            _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF)
+        else:
+            # dQᵀ (head_dim x queries) = Kᵀ dSᵀ over this warpgroup's 64 keys, from dSᵀ through shared memory, 64
+            # head-dim rows at a time (fewer live registers); each share goes into the fp32 dQ buffer with atomics
+            # (Gluon on Triton 3.6 has no TMA reduce).
+            ds_buf = ds_bufs.index(HALF)
+            ds_buf.store(ds_t)
+            fence_async_shared()
+            # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every
+            # offset is a constant and a thread's two neighbouring queries are neighbours in memory
+            qrows = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+            dq_rows = (DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
+                       + gl.expand_dims(qrows, 0))
+            for i in gl.static_range(HEAD_D // 64):
+                dq_t = warpgroup_mma(k.slice(i * 64, 64, dim=1).permute((1, 0)), ds_buf,
+                                     gl.zeros([64, BM], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                if i == 0:
+                    dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
+                    mbarrier.arrive(empty.index(slot), count=1)
+                else:
+                    dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
+                cols = i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+                _red_add_pairs(dq_rows + gl.expand_dims(cols * BM, 1), dq_t * scale)
     else:
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(empty.index(slot), count=1)
@@ -164,9 +210,10 @@ def _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s,
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
               stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
+              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
+              HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -183,7 +230,6 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk
     lo, a, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF_N)
     l_base = b.to(gl.int64) * stride_lb
     dq_base = b.to(gl.int64) * stride_dqb
-    ds_buf = ds_bufs.index(HALF)
     k = k_bufs.index(HALF)
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
@@ -191,14 +237,14 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk
     for g in range(group):
         h = hk * group + g
         for mb in range(lo, a):
-            dk, dv = _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
-                           DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
-                           True, CAUSAL, STAGES, FUSED_DQ)
+            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
+                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
+                           scale2, True, CAUSAL, STAGES, FUSED_DQ, SHARE_DS, HALF)
             c += 1
         for mb in range(a, hi):
-            dk, dv = _step(k, v, q_bufs, do_bufs, ds_buf, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
-                           DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
-                           False, CAUSAL, STAGES, FUSED_DQ)
+            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
+                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
+                           scale2, False, CAUSAL, STAGES, FUSED_DQ, SHARE_DS, HALF)
             c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
@@ -215,7 +261,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk
 def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
                                 stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
     that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
@@ -230,7 +277,10 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
-    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BM], DS_SMEM)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -246,18 +296,20 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     stride_dqb = gl.to_tensor(stride_dqb)
     stride_dqh = gl.to_tensor(stride_dqh)
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc,
-                                     LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, dk_desc, dv_desc,
-                                     LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                                     SHARE_DS, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     1)),
+                                     SHARE_DS, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ds_bar.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -266,6 +318,14 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
 def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool) -> bool:
     """The forward's scope, and dO, dK, dV that TMA can address."""
     return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
+
+
+def ds_layout(d: int, dtype: torch.dtype):
+    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). At d64 with SHARE_DS each warpgroup
+    reads half the queries, 32 = 64 bytes: the swizzle is 64 bytes wide, so that half starts on a swizzle atom."""
+    if d == 64 and SHARE_DS:
+        return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    return smem_layout((HALF_N, BLOCK_M[d]), dtype)
 
 
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
@@ -285,7 +345,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(q, bm), _fwd._desc(do, bm), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
         dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
-        CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows, DS_SMEM=smem_layout((HALF_N, bm), q.dtype),
-        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
+        FUSED_DQ=dq is not None, SHARE_DS=SHARE_DS, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
         dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
