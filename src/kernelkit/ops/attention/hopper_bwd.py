@@ -1,11 +1,11 @@
 """Attention backward's dK / dV on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
 
 A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
-streams (query, dO) tiles of BLOCK_M[d] rows (64 at d64, 32 at d128) through a ring of STAGES slots with TMA: every query block of every query
-head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
+streams (query, dO) tiles of BLOCK_M[d] rows (64 at d64, 32 at d128) through a ring of STAGES slots with TMA:
+every query block of every query head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
 query block, runs on wgmma:
 
-    Sᵀ  = K Qᵀ                 (64 keys x 64 queries; both operands in shared memory)
+    Sᵀ  = K Qᵀ                 (64 keys x BLOCK_M queries; both operands in shared memory)
     Pᵀ  = exp2(Sᵀ·scale2 - lse2)   (lse2: the forward's lse in base 2, +inf for rows that saw no key)
     dV += Pᵀ dO                (Pᵀ from registers)
     dPᵀ = V dOᵀ
@@ -13,13 +13,20 @@ query block, runs on wgmma:
     dK += dSᵀ Q                (dSᵀ from registers)
 
 then releases the slot. dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA
-stores. dQ is not computed here: the Triton dQ kernel (`backward.attn_bwd_dq_kernel`) recomputes P and dP per
-query block and owns its rows, so there are no atomics (the deterministic path).
+stores.
 
-Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on): on the H100 it measured 0.75-1.03x the Triton
-dK / dV path's backward (docs/ops/attention.md, 2026-11-26). It is correct (GPU tests against float64) and kept for
-the next step: 64-query tiles need dK / dV out of registers (FA3 keeps one of them in shared memory or splits
-the head dimension), and dQ by atomics would save the second pass over Q and dO.
+dQ (`dkdv_hopper(..., dq=...)`, the default when the caller does not ask for determinism), FA3's way: each warpgroup
+writes its dSᵀ to shared memory (two slots); once both halves are there (an mbarrier), each computes half of
+dQᵀ = Kᵀ dSᵀ over all 128 keys on wgmma (head-dim rows 64 HALF.. at d128, query columns 32 HALF.. at d64) and adds
+it into a zeroed fp32 buffer with `red.global.add.v2.f32` (Gluon on Triton 3.6 has no TMA reduce). The buffer holds
+dQᵀ tile by tile, so inside a tile every address offset is a constant; one copy casts it into dq at the end. Five
+products a step instead of the separate dQ kernel's three more. Without `dq`, the Triton dQ kernel
+(`backward.attn_bwd_dq_kernel`) recomputes P and dP per query block and owns its rows (the deterministic path).
+
+Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on): on the H100 the dK / dV kernel measured 0.75-1.03x
+the Triton path's backward (docs/ops/attention.md, 2026-11-26), and with dQ fused (stop 42) 0.98-1.01x on an
+H200: level, not faster. Correct (GPU tests against float64, memcheck clean) and kept for the next step: 64-query
+tiles at d128, which need dK / dV or P / dS out of registers.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -45,8 +52,6 @@ BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
-# dQ fused: the two warpgroups share their dSᵀ and each adds half of dQ (True), or each adds its own keys' share
-SHARE_DS = True
 
 
 @gluon.jit
@@ -145,8 +150,7 @@ def _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_
 @gluon.jit
 def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
           DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
-          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
-          HALF: gl.constexpr):
+          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One query block for one warpgroup's 64 keys (the module docstring's products)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -176,33 +180,9 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
     dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
     if FUSED_DQ:
-        HEAD_D: gl.constexpr = k.type.shape[1]
-        if SHARE_DS:
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-            mbarrier.arrive(empty.index(slot), count=1)
-            _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF)
-        else:
-            # dQᵀ (head_dim x queries) = Kᵀ dSᵀ over this warpgroup's 64 keys, from dSᵀ through shared memory, 64
-            # head-dim rows at a time (fewer live registers); each share goes into the fp32 dQ buffer with atomics
-            # (Gluon on Triton 3.6 has no TMA reduce).
-            ds_buf = ds_bufs.index(HALF)
-            ds_buf.store(ds_t)
-            fence_async_shared()
-            # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every
-            # offset is a constant and a thread's two neighbouring queries are neighbours in memory
-            qrows = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-            dq_rows = (DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
-                       + gl.expand_dims(qrows, 0))
-            for i in gl.static_range(HEAD_D // 64):
-                dq_t = warpgroup_mma(k.slice(i * 64, 64, dim=1).permute((1, 0)), ds_buf,
-                                     gl.zeros([64, BM], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                if i == 0:
-                    dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
-                    mbarrier.arrive(empty.index(slot), count=1)
-                else:
-                    dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
-                cols = i * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-                _red_add_pairs(dq_rows + gl.expand_dims(cols * BM, 1), dq_t * scale)
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF)
     else:
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(empty.index(slot), count=1)
@@ -212,8 +192,7 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
 @gluon.jit
 def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
               stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
-              HALF: gl.constexpr):
+              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -239,12 +218,12 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
         for mb in range(lo, a):
             dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
                            LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, True, CAUSAL, STAGES, FUSED_DQ, SHARE_DS, HALF)
+                           scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
             c += 1
         for mb in range(a, hi):
             dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
                            LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, False, CAUSAL, STAGES, FUSED_DQ, SHARE_DS, HALF)
+                           scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
             c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
@@ -261,8 +240,7 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
 def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
                                 stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, SHARE_DS: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
     that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
@@ -299,11 +277,11 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
                                      dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     SHARE_DS, 0)),
+                                     0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
                                      dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     SHARE_DS, 1)),
+                                     1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -321,9 +299,9 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
 
 
 def ds_layout(d: int, dtype: torch.dtype):
-    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). At d64 with SHARE_DS each warpgroup
-    reads half the queries, 32 = 64 bytes: the swizzle is 64 bytes wide, so that half starts on a swizzle atom."""
-    if d == 64 and SHARE_DS:
+    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). At d64 each warpgroup reads half the
+    queries for dQ, 32 = 64 bytes: the swizzle is 64 bytes wide, so that half starts on a swizzle atom."""
+    if d == 64:
         return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     return smem_layout((HALF_N, BLOCK_M[d]), dtype)
 
@@ -346,6 +324,6 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
         dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
-        FUSED_DQ=dq is not None, SHARE_DS=SHARE_DS, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
         dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
