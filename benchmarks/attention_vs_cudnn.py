@@ -63,15 +63,20 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool):
+def _kk_bwd(fused_dq: bool, pipeline: bool = True, stages: int | None = None):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
-    the Triton dQ kernel."""
+    the Triton dQ kernel, its step loop software-pipelined or serial."""
+    from kernelkit.ops.attention import hopper_bwd
+
     def run(q, k, v, causal):
         fwd_mod.GLUON, bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = True, True, fused_dq
+        shipped = hopper_bwd.PIPELINE, hopper_bwd.STAGES
+        hopper_bwd.PIPELINE, hopper_bwd.STAGES = pipeline, stages or hopper_bwd.STAGES
         try:
             return attention(q, k, v, causal=causal)
         finally:
             bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = SHIPPED_BWD, SHIPPED_FUSED
+            hopper_bwd.PIPELINE, hopper_bwd.STAGES = shipped
     return run
 
 
@@ -132,7 +137,10 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if bwd_variants:
-        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-gluon-dq2": _kk_bwd(False)})
+        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-fused-serial": _kk_bwd(True, pipeline=False),
+                    "kk-bwd-gluon-dq2": _kk_bwd(False), "kk-bwd-fused-s3": _kk_bwd(True, stages=3),
+                    "kk-bwd-fused-s4": _kk_bwd(True, stages=4),
+                    "kk-bwd-fused-serial-s4": _kk_bwd(True, pipeline=False, stages=4)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

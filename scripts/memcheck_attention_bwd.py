@@ -1,12 +1,31 @@
-"""Attention backward through the Gluon kernel (dQ fused) on three small shapes: run it under compute-sanitizer."""
+"""Attention backward through the Gluon kernel (dQ fused) on three small shapes, against the Triton backward: run it
+under compute-sanitizer. KK_BWD_STAGES / KK_BWD_PIPELINE override hopper_bwd.STAGES / PIPELINE."""
+import os
+
 import torch
-from kernelkit.ops.attention import attention, backward as bwd_mod
-bwd_mod.GLUON = True
-for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200, 333, 4, 1, 64, True), (2, 257, 129, 6, 3, 64, False)]:
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    o = attention(q, k, v, causal=causal)
-    o.backward(torch.randn_like(o))
+
+from kernelkit.ops.attention import attention, backward as bwd_mod, hopper_bwd
+
+hopper_bwd.STAGES = int(os.environ.get("KK_BWD_STAGES", hopper_bwd.STAGES))
+hopper_bwd.PIPELINE = os.environ.get("KK_BWD_PIPELINE", str(int(hopper_bwd.PIPELINE))) == "1"
+
+
+def grads(q, k, v, do, causal, gluon):
+    bwd_mod.GLUON = gluon
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    attention(q, k, v, causal=causal).backward(do)
+    return q.grad, k.grad, v.grad
+
+
+for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200, 333, 4, 1, 64, True),
+                                       (2, 257, 129, 6, 3, 64, False)]:
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    got, want = grads(q, k, v, do, causal, True), grads(q, k, v, do, causal, False)
     torch.cuda.synchronize()
-    print("ok", b, sq, sk, hq, hk, d, causal, float(q.grad.float().abs().sum()))
+    err = [float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want)]
+    print("stages", hopper_bwd.STAGES, "pipeline", hopper_bwd.PIPELINE, (b, sq, sk, hq, hk, d, causal),
+          "max |gluon - triton| / max |triton| (dq, dk, dv):", " ".join(f"{e:.1e}" for e in err),
+          "OK" if max(err) < 2e-2 else "MISMATCH")

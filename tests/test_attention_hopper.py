@@ -347,7 +347,7 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             LSE2=lse, DELTA=lse, DQ_ACC=dq, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_dqb=dq.stride(0),
             stride_dqh=dq.stride(1), seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1, scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused,
+             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused, PIPELINE=B.PIPELINE,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))
@@ -376,14 +376,16 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-@pytest.mark.parametrize("fused_dq", [True, False], ids=["dq-fused", "dq-triton"])
-def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, monkeypatch):
+@pytest.mark.parametrize("fused_dq,pipeline", [(True, True), (False, True), (True, False)],
+                         ids=["dq-fused", "dq-triton", "dq-fused-serial"])
+def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, pipeline, monkeypatch):
     b, sq, sk, hq, hk, d, dtype, causal = case
     from kernelkit.ops.attention import backward as bwd_mod
 
     calls = []
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)
+    monkeypatch.setattr(hopper_bwd, "PIPELINE", pipeline)
     real = hopper_bwd.dkdv_hopper
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()

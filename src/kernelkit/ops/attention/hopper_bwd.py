@@ -50,6 +50,8 @@ BLOCK_N = 2 * HALF_N
 # tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
+# the step loop software-pipelined (`_pipelined`) or one step after the other (`_step`)
+PIPELINE = True
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
 
@@ -112,11 +114,11 @@ def _red_add_pairs(ptrs, values):
 
 
 @gluon.jit
-def _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF: gl.constexpr):
+def _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, c, HALF: gl.constexpr):
     """dQ with the two warpgroups' dSᵀ shared: each writes its 64 keys' dSᵀ to shared memory (two slots, so a
-    warpgroup one step ahead never overwrites what the other still reads), and once both are there computes half of
-    dQᵀ = Kᵀ dSᵀ over all 128 keys: head-dim rows 64 HALF.. at d128, query columns BM/2 HALF.. at d64. One atomic
-    per element and key block, not two."""
+    warpgroup one step ahead never overwrites what the other still reads), and once both are there issues half of
+    dQᵀ = Kᵀ dSᵀ over all 128 keys (two wgmmas, not waited): head-dim rows 64 HALF.. at d128, query columns
+    BM/2 HALF.. at d64. One atomic per element and key block, not two."""
     BM: gl.constexpr = ds_bufs.type.shape[2]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
     NQ: gl.constexpr = BM if HEAD_D == 128 else BM // 2
@@ -136,9 +138,17 @@ def _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_
             a_op = k_bufs.index(j).permute((1, 0))
             b_op = ds_bufs.index(dslot * 2 + j).slice(HALF * NQ, NQ, dim=1)
         acc = warpgroup_mma(a_op, b_op, acc, use_acc=j > 0, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    # DQ_ACC holds dQᵀ tile by tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every offset is
-    # a constant and a thread's two neighbouring queries are neighbours in memory
+    return acc
+
+
+@gluon.jit
+def _dq_add(acc, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HEAD_D: gl.constexpr, BM: gl.constexpr,
+            HALF: gl.constexpr):
+    """Add a warpgroup's half of a query block's dQᵀ (`_dq_issue`, waited) into DQ_ACC. DQ_ACC holds dQᵀ tile by
+    tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every offset is a constant and a thread's
+    two neighbouring queries are neighbours in memory."""
+    acc_l: gl.constexpr = acc.type.layout
+    NQ: gl.constexpr = acc.type.shape[1]
     c0: gl.constexpr = HALF * 64 if HEAD_D == 128 else 0
     q0: gl.constexpr = 0 if HEAD_D == 128 else HALF * NQ
     qcols = q0 + gl.arange(0, NQ, layout=gl.SliceLayout(0, acc_l))
@@ -182,7 +192,9 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
     if FUSED_DQ:
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(empty.index(slot), count=1)
-        _dq_shared(k_bufs, ds_bufs, ds_bar, ds_t, c, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HALF)
+        dq_t = _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, c, HALF)
+        dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
+        _dq_add(dq_t, mb, h, DQ_ACC, dq_base, stride_dqh, scale, k.type.shape[1], BM, HALF)
     else:
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(empty.index(slot), count=1)
@@ -190,9 +202,79 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
 
 
 @gluon.jit
+def _block_rows(t, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout: gl.constexpr,
+                BM: gl.constexpr):
+    """Step t of the flattened walk (heads of the group outer, query blocks inner): its query block, query head,
+    query positions and their lse in base 2 (+inf past the rows)."""
+    n = gl.maximum(n_mb, 1)  # (no key of this block seen: the walk is empty, the spare step reads block lo)
+    mb = lo + t % n
+    h = hk * group + t // n
+    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+    lse2 = gl.load(LSE2 + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=POS_INF)
+    return mb, h, rows, lse2
+
+
+@gluon.jit
+def _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL: gl.constexpr):
+    """Pᵀ from Sᵀ. Causal: every block takes the mask (a no-op off the diagonal), so one loop body serves all."""
+    if CAUSAL:
+        s_t = gl.where(gl.expand_dims(keys - shift, 1) <= gl.expand_dims(rows, 0), s_t, float("-inf"))
+    return gl.exp2(s_t * scale2 - gl.expand_dims(lse2, 0))
+
+
+@gluon.jit
+def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys, lo, n_mb, hk, group,
+               LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
+               CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
+    """The step loop software-pipelined: step t+1's Sᵀ is issued behind step t's dV and dPᵀ, and its Pᵀ computed
+    while step t's dK (and dQ) run on the tensor cores. The last step issues a spare Sᵀ on its own slot."""
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    s_layout: gl.constexpr = zero_s.type.layout
+    acc_layout: gl.constexpr = dk.type.layout
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k = k_bufs.index(HALF)
+    total = group * n_mb
+    mbarrier.wait(ready.index(0), 0, pred=total > 0)
+    s_t = warpgroup_mma(k, q_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mb, h, rows, lse2 = _block_rows(0, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout, BM)
+    s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+    p_t = _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL)
+    for t in range(total):
+        slot = t % STAGES
+        q = q_bufs.index(slot)
+        do = do_bufs.index(slot)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(q_bufs.dtype), op_layout), do, dv, is_async=True)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        tn = gl.minimum(t + 1, total - 1)  # the last step: its own slot again (already full, not yet released)
+        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
+        s_n = warpgroup_mma(k, q_bufs.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        delta = gl.load(DELTA + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=0.0)
+        dv, dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dp_t))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
+        mb_n, h_n, rows_n, lse2_n = _block_rows(tn, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout,
+                                                BM)
+        if FUSED_DQ:
+            dq_t = _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, t, HALF)
+            s_n = warpgroup_mma_wait(num_outstanding=3, deps=(s_n,))  # dK and dQ's two still run
+            p_t = _probs(s_n, rows_n, lse2_n, keys, shift, scale2, CAUSAL)
+            dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
+            mbarrier.arrive(empty.index(slot), count=1)
+            _dq_add(dq_t, mb, h, DQ_ACC, dq_base, stride_dqh, scale, k.type.shape[1], BM, HALF)
+        else:
+            s_n = warpgroup_mma_wait(num_outstanding=1, deps=(s_n,))  # dK still runs
+            p_t = _probs(s_n, rows_n, lse2_n, keys, shift, scale2, CAUSAL)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(empty.index(slot), count=1)
+        mb, h, rows = mb_n, h_n, rows_n
+    return dk, dv
+
+
+@gluon.jit
 def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
               stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
+              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
+              HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -212,19 +294,24 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
     k = k_bufs.index(HALF)
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
-    c = gl.to_tensor(0)
-    for g in range(group):
-        h = hk * group + g
-        for mb in range(lo, a):
-            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
-                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
-            c += 1
-        for mb in range(a, hi):
-            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
-                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
-            c += 1
+    if PIPELINE:
+        dk, dv = _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys, lo,
+                            hi - lo, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q,
+                            shift, scale, scale2, CAUSAL, STAGES, FUSED_DQ, HALF)
+    else:
+        c = gl.to_tensor(0)
+        for g in range(group):
+            h = hk * group + g
+            for mb in range(lo, a):
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
+                               keys, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
+                               scale, scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
+                c += 1
+            for mb in range(a, hi):
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
+                               keys, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
+                               scale, scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
+                c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
     v.store(dv.to(dv_desc.dtype))
@@ -240,7 +327,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
 def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
                                 stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
     that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
@@ -277,11 +365,11 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
                                      dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     0)),
+                                     PIPELINE, 0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
                                      dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     1)),
+                                     PIPELINE, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -307,7 +395,7 @@ def ds_layout(d: int, dtype: torch.dtype):
 
 
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
-                stages: int = STAGES) -> None:
+                stages: int | None = None) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
     (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by atomics into a
     zeroed fp32 buffer of dQᵀ tiles that is then copied into `dq`. `supports` checked by the caller."""
@@ -323,7 +411,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(q, bm), _fwd._desc(do, bm), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
         dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
-        CAUSAL=bool(causal), STAGES=stages, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
-        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
+        FUSED_DQ=dq is not None, PIPELINE=PIPELINE, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
         dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
