@@ -1,10 +1,13 @@
 """Attention backward through the Gluon kernel (dQ fused) on three small shapes, against the Triton backward: run it
 under compute-sanitizer. KK_BWD_STAGES / KK_BWD_PIPELINE override hopper_bwd.STAGES / PIPELINE."""
 import os
+import sys
 
 import torch
 
-from kernelkit.ops.attention import attention, backward as bwd_mod, hopper_bwd
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    sys.exit("memcheck_attention_bwd: needs a CUDA GPU of sm_90 (the Gluon kernel is Hopper-only)")
+from kernelkit.ops.attention import attention, backward as bwd_mod, hopper_bwd  # noqa: E402 - after the GPU check
 
 hopper_bwd.STAGES = int(os.environ.get("KK_BWD_STAGES", hopper_bwd.STAGES))
 hopper_bwd.PIPELINE = os.environ.get("KK_BWD_PIPELINE", str(int(hopper_bwd.PIPELINE))) == "1"
@@ -17,6 +20,7 @@ def grads(q, k, v, do, causal, gluon):
     return q.grad, k.grad, v.grad
 
 
+bad = False
 for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200, 333, 4, 1, 64, True),
                                        (2, 257, 129, 6, 3, 64, False)]:
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -29,3 +33,5 @@ for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200
     print("stages", hopper_bwd.STAGES, "pipeline", hopper_bwd.PIPELINE, (b, sq, sk, hq, hk, d, causal),
           "max |gluon - triton| / max |triton| (dq, dk, dv):", " ".join(f"{e:.1e}" for e in err),
           "OK" if max(err) < 2e-2 else "MISMATCH")
+    bad = bad or max(err) >= 2e-2
+sys.exit(1 if bad else 0)

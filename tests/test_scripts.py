@@ -15,7 +15,7 @@ from tests.conftest import INTERPRET
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py", "coop_sanitize.py",
-          "fp8_table.sh"}
+          "fp8_table.sh", "memcheck_attention_bwd.py"}
 
 
 def run_script(name: str, *argv: str) -> int:
@@ -38,6 +38,11 @@ def test_every_script_has_a_case_here():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is gpu_check.sh's sanitize stage")
 def test_coop_sanitize_says_it_needs_a_gpu():
     assert "needs a CUDA GPU" in str(run_script("coop_sanitize.py"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is gpu_check.sh's sanitize stage")
+def test_memcheck_attention_bwd_says_it_needs_a_gpu():
+    assert "needs a CUDA GPU of sm_90" in str(run_script("memcheck_attention_bwd.py"))
 
 
 def test_gpu_check_parses_and_every_script_it_runs_exists():
