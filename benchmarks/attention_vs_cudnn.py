@@ -63,20 +63,21 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, pipeline: bool = True, stages: int | None = None):
+def _kk_bwd(fused_dq: bool, pipeline: bool = True, stages: int | None = None, stats_smem: bool = True):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
-    the Triton dQ kernel, its step loop software-pipelined or serial."""
+    the Triton dQ kernel, its step loop software-pipelined or serial, lse2 / delta staged in shared memory or not."""
     from kernelkit.ops.attention import hopper_bwd
 
     def run(q, k, v, causal):
         fwd_mod.GLUON, bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = True, True, fused_dq
-        shipped = hopper_bwd.PIPELINE, hopper_bwd.STAGES
+        shipped = hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM
         hopper_bwd.PIPELINE, hopper_bwd.STAGES = pipeline, stages or hopper_bwd.STAGES
+        hopper_bwd.STATS_SMEM = stats_smem
         try:
             return attention(q, k, v, causal=causal)
         finally:
             bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = SHIPPED_BWD, SHIPPED_FUSED
-            hopper_bwd.PIPELINE, hopper_bwd.STAGES = shipped
+            hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM = shipped
     return run
 
 
@@ -139,8 +140,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
     if bwd_variants:
         got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-fused-serial": _kk_bwd(True, pipeline=False),
                     "kk-bwd-gluon-dq2": _kk_bwd(False), "kk-bwd-fused-s3": _kk_bwd(True, stages=3),
-                    "kk-bwd-fused-s4": _kk_bwd(True, stages=4),
-                    "kk-bwd-fused-serial-s4": _kk_bwd(True, pipeline=False, stages=4)})
+                    "kk-bwd-fused-gstats": _kk_bwd(True, stats_smem=False)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

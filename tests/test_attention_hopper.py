@@ -347,17 +347,17 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             LSE2=lse, DELTA=lse, DQ_ACC=dq, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_dqb=dq.stride(0),
             stride_dqh=dq.stride(1), seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1, scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused, PIPELINE=B.PIPELINE,
+             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused, PIPELINE=B.PIPELINE, STATS_SMEM=B.STATS_SMEM,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))
 """
 
 
-# (d, causal, dq fused) -> spilled bytes allowed. At d128 with dQ fused ptxas (Triton 3.6) spills 16-20 bytes, and
-# 332-400 with the causal kernel's second (masked) copy of the step; a bound, so that more fails the build check.
-_BWD_BUILDS = {(128, True, False): 0, (128, True, True): 400, (64, False, True): 0, (64, True, True): 0,
-               (128, False, True): 20}
+# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused ptxas (Triton 3.6) spills 4-8 bytes at d128 and
+# d64 non-causal; a bound, so that more fails the build check.
+_BWD_BUILDS = {(128, True, False): 0, (128, True, True): 16, (64, False, True): 16, (64, True, True): 16,
+               (128, False, True): 16}
 
 
 @pytest.mark.parametrize("d,causal,fused", list(_BWD_BUILDS))

@@ -52,6 +52,8 @@ BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
 # the step loop software-pipelined (`_pipelined`) or one step after the other (`_step`)
 PIPELINE = True
+# lse2 and delta rows staged in shared memory by the producer (True) or loaded by each consumer from global memory
+STATS_SMEM = True
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
 
@@ -72,11 +74,16 @@ def _q_range(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, b, hk, n0,
-              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group."""
+def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_bar, ready,
+              empty, LSE2, DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, STATS_SMEM: gl.constexpr):
+    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group, and with
+    STATS_SMEM the block's lse2 and delta rows into shared memory (plain loads, stored before the slot's barrier
+    arrives), so the consumers read them there instead of waiting on global loads."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
+    rows_l: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+    l_base = b.to(gl.int64) * stride_lb
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + i * HALF, 0], kv_bar,
@@ -92,6 +99,12 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
         for mb in range(lo, hi):
             slot = c % STAGES
             mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+            if STATS_SMEM:
+                rows = mb * BM + gl.arange(0, BM, layout=rows_l)
+                l_off = l_base + h.to(gl.int64) * stride_lh
+                lse_bufs.index(slot).store(gl.load(LSE2 + l_off + rows, mask=rows < seqlen_q, other=POS_INF))
+                delta_bufs.index(slot).store(gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0))
+                gl.thread_barrier()  # every lane's stores before the one thread that arrives
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, mb * BM, 0], bar,
@@ -202,15 +215,18 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
 
 
 @gluon.jit
-def _block_rows(t, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout: gl.constexpr,
-                BM: gl.constexpr):
+def _block_rows(t, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh, seqlen_q, s_layout: gl.constexpr,
+                BM: gl.constexpr, STAGES: gl.constexpr, STATS_SMEM: gl.constexpr):
     """Step t of the flattened walk (heads of the group outer, query blocks inner): its query block, query head,
     query positions and their lse in base 2 (+inf past the rows)."""
     n = gl.maximum(n_mb, 1)  # (no key of this block seen: the walk is empty, the spare step reads block lo)
     mb = lo + t % n
     h = hk * group + t // n
     rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-    lse2 = gl.load(LSE2 + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=POS_INF)
+    if STATS_SMEM:
+        lse2 = lse_bufs.index(t % STAGES).load(gl.SliceLayout(0, s_layout))
+    else:
+        lse2 = gl.load(LSE2 + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=POS_INF)
     return mb, h, rows, lse2
 
 
@@ -223,9 +239,10 @@ def _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys, lo, n_mb, hk, group,
-               LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2,
-               CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
+def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys,
+               lo, n_mb, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
+               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
+               STATS_SMEM: gl.constexpr, HALF: gl.constexpr):
     """The step loop software-pipelined: step t+1's Sᵀ is issued behind step t's dV and dPᵀ, and its Pᵀ computed
     while step t's dK (and dQ) run on the tensor cores. The last step issues a spare Sᵀ on its own slot."""
     BM: gl.constexpr = q_bufs.type.shape[1]
@@ -236,7 +253,8 @@ def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv
     total = group * n_mb
     mbarrier.wait(ready.index(0), 0, pred=total > 0)
     s_t = warpgroup_mma(k, q_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mb, h, rows, lse2 = _block_rows(0, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout, BM)
+    mb, h, rows, lse2 = _block_rows(0, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh, seqlen_q, s_layout,
+                                    BM, STAGES, STATS_SMEM)
     s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
     p_t = _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL)
     for t in range(total):
@@ -248,12 +266,15 @@ def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv
         tn = gl.minimum(t + 1, total - 1)  # the last step: its own slot again (already full, not yet released)
         mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
         s_n = warpgroup_mma(k, q_bufs.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        delta = gl.load(DELTA + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=0.0)
+        if STATS_SMEM:
+            delta = delta_bufs.index(slot).load(gl.SliceLayout(0, s_layout))
+        else:
+            delta = gl.load(DELTA + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=0.0)
         dv, dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dp_t))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
-        mb_n, h_n, rows_n, lse2_n = _block_rows(tn, lo, n_mb, hk, group, LSE2, l_base, stride_lh, seqlen_q, s_layout,
-                                                BM)
+        mb_n, h_n, rows_n, lse2_n = _block_rows(tn, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh,
+                                                seqlen_q, s_layout, BM, STAGES, STATS_SMEM)
         if FUSED_DQ:
             dq_t = _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, t, HALF)
             s_n = warpgroup_mma_wait(num_outstanding=3, deps=(s_n,))  # dK and dQ's two still run
@@ -271,10 +292,10 @@ def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
               stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
               scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
-              HALF: gl.constexpr):
+              STATS_SMEM: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -295,9 +316,9 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
     if PIPELINE:
-        dk, dv = _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys, lo,
-                            hi - lo, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q,
-                            shift, scale, scale2, CAUSAL, STAGES, FUSED_DQ, HALF)
+        dk, dv = _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, ready, empty, dk, dv,
+                            zero_s, keys, lo, hi - lo, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh,
+                            stride_dqh, seqlen_q, shift, scale, scale2, CAUSAL, STAGES, FUSED_DQ, STATS_SMEM, HALF)
     else:
         c = gl.to_tensor(0)
         for g in range(group):
@@ -328,7 +349,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr,
+                                STATS_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
     that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
@@ -344,6 +365,9 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
+    stats_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (the rank of one slot)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stats_l)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stats_l)
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
@@ -362,16 +386,17 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     stride_dqb = gl.to_tensor(stride_dqb)
     stride_dqh = gl.to_tensor(stride_dqh)
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
-                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     PIPELINE, 0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
-                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     PIPELINE, 1)),
-                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
-                                     empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar,
+                                     ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh,
+                                     stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2,
+                                     CAUSAL, STAGES, FUSED_DQ, PIPELINE, STATS_SMEM, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar,
+                                     ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh,
+                                     stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2,
+                                     CAUSAL, STAGES, FUSED_DQ, PIPELINE, STATS_SMEM, 1)),
+                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs,
+                                     delta_bufs, kv_bar, ready, empty, LSE2, DELTA, stride_lb, stride_lh, b, hk, n0,
+                                     group, seqlen_q, seqlen_k, CAUSAL, STAGES, STATS_SMEM))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
@@ -412,6 +437,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
         dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
-        FUSED_DQ=dq is not None, PIPELINE=PIPELINE, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, PIPELINE=PIPELINE, STATS_SMEM=STATS_SMEM,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
         dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
