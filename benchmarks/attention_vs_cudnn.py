@@ -19,11 +19,21 @@ import time
 import torch
 import triton
 
-from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod
+from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod, hopper_bwd
 from kernelkit.testing.bench import kernel_time_ms
 
-SHIPPED_BWD = bwd_mod.GLUON  # KERNELKIT_ATTENTION_GLUON_BWD
-SHIPPED_FUSED = bwd_mod.GLUON_FUSED_DQ
+# The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
+SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, pipeline=hopper_bwd.PIPELINE,
+                   stages=hopper_bwd.STAGES, stats=hopper_bwd.STATS_SMEM)
+
+
+def _bwd_state(**over) -> None:
+    """Set every backward knob, the shipped value unless `over` names it, and leave it set: the backward runs after
+    the implementation's call returns (in `bench_row`'s autograd step), so a knob restored on return would time the
+    shipped backward under every name. Each kernelkit implementation calls this first."""
+    st = {**SHIPPED_BWD, **{k: v for k, v in over.items() if v is not None}}
+    bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = st["gluon"], st["fused"]
+    hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM = st["pipeline"], st["stages"], st["stats"]
 
 
 def rows():
@@ -52,7 +62,7 @@ def _kk(gluon: bool | None):
 
     def run(q, k, v, causal):
         fwd_mod.GLUON = gluon is not False
-        bwd_mod.GLUON = SHIPPED_BWD if gluon is None else gluon
+        _bwd_state(gluon=gluon)
         old = dict(hopper.TRITON_UP_TO)
         if gluon:
             hopper.TRITON_UP_TO.clear()
@@ -66,18 +76,10 @@ def _kk(gluon: bool | None):
 def _kk_bwd(fused_dq: bool, pipeline: bool = True, stages: int | None = None, stats_smem: bool = True):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
     the Triton dQ kernel, its step loop software-pipelined or serial, lse2 / delta staged in shared memory or not."""
-    from kernelkit.ops.attention import hopper_bwd
-
     def run(q, k, v, causal):
-        fwd_mod.GLUON, bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = True, True, fused_dq
-        shipped = hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM
-        hopper_bwd.PIPELINE, hopper_bwd.STAGES = pipeline, stages or hopper_bwd.STAGES
-        hopper_bwd.STATS_SMEM = stats_smem
-        try:
-            return attention(q, k, v, causal=causal)
-        finally:
-            bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = SHIPPED_BWD, SHIPPED_FUSED
-            hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM = shipped
+        fwd_mod.GLUON = True
+        _bwd_state(gluon=True, fused=fused_dq, pipeline=pipeline, stages=stages, stats=stats_smem)
+        return attention(q, k, v, causal=causal)
     return run
 
 
@@ -88,7 +90,8 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
     from kernelkit.ops.attention import hopper
 
     def run(q, k, v, causal):
-        fwd_mod.GLUON = bwd_mod.GLUON = True
+        fwd_mod.GLUON = True
+        _bwd_state(gluon=True)
         old = (dict(hopper.STAGES), dict(hopper.PERSISTENT), dict(hopper.OVERLAP), dict(hopper.TRITON_UP_TO),
                dict(hopper.PINGPONG), dict(hopper.CONSUMERS))
         hopper.TRITON_UP_TO.clear()
