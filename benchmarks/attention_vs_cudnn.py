@@ -142,7 +142,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if bwd_variants:
         got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-fused-serial": _kk_bwd(True, pipeline=False),
-                    "kk-bwd-gluon-dq2": _kk_bwd(False), "kk-bwd-fused-s3": _kk_bwd(True, stages=3),
+                    "kk-bwd-gluon-dq2": _kk_bwd(False), "kk-bwd-gluon-dq2-serial": _kk_bwd(False, pipeline=False),
+                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3),
                     "kk-bwd-fused-gstats": _kk_bwd(True, stats_smem=False)})
     if want_fa4:
         try:
