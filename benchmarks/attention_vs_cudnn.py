@@ -23,8 +23,7 @@ from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forwar
 from kernelkit.testing.bench import kernel_time_ms
 
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
-SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, pipeline=hopper_bwd.PIPELINE,
-                   stages=hopper_bwd.STAGES, stats=hopper_bwd.STATS_SMEM)
+SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES)
 
 
 def _bwd_state(**over) -> None:
@@ -32,8 +31,7 @@ def _bwd_state(**over) -> None:
     the implementation's call returns (in `bench_row`'s autograd step), so a knob restored on return would time the
     shipped backward under every name. Each kernelkit implementation calls this first."""
     st = {**SHIPPED_BWD, **{k: v for k, v in over.items() if v is not None}}
-    bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = st["gluon"], st["fused"]
-    hopper_bwd.PIPELINE, hopper_bwd.STAGES, hopper_bwd.STATS_SMEM = st["pipeline"], st["stages"], st["stats"]
+    bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.STAGES = st["gluon"], st["fused"], st["stages"]
 
 
 def rows():
@@ -73,12 +71,12 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, pipeline: bool = True, stages: int | None = None, stats_smem: bool = True):
+def _kk_bwd(fused_dq: bool, stages: int | None = None):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
-    the Triton dQ kernel, its step loop software-pipelined or serial, lse2 / delta staged in shared memory or not."""
+    the Triton dQ kernel, and `stages` (Q, dO) ring slots."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        _bwd_state(gluon=True, fused=fused_dq, pipeline=pipeline, stages=stages, stats=stats_smem)
+        _bwd_state(gluon=True, fused=fused_dq, stages=stages)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -141,10 +139,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({f"kk-gluon-{n}wg": _kk_variant(consumers=n) for n in consumers})
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if bwd_variants:
-        got.update({"kk-bwd-fused": _kk_bwd(True), "kk-bwd-fused-serial": _kk_bwd(True, pipeline=False),
-                    "kk-bwd-gluon-dq2": _kk_bwd(False), "kk-bwd-gluon-dq2-serial": _kk_bwd(False, pipeline=False),
-                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3),
-                    "kk-bwd-fused-gstats": _kk_bwd(True, stats_smem=False)})
+        got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
+                    "kk-bwd-gluon-s3": _kk_bwd(False, stages=3)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -1,5 +1,5 @@
-"""Attention backward through the Gluon kernel (dQ fused) on three small shapes, against the Triton backward: run it
-under compute-sanitizer. KK_BWD_STAGES / KK_BWD_PIPELINE override hopper_bwd.STAGES / PIPELINE."""
+"""Attention backward through the Gluon dK / dV kernel, with the Triton dQ kernel and with dQ fused, on three small
+shapes, against the Triton backward: run it under compute-sanitizer. KK_BWD_STAGES overrides hopper_bwd.STAGES."""
 import os
 import sys
 
@@ -10,11 +10,10 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 from kernelkit.ops.attention import attention, backward as bwd_mod, hopper_bwd  # noqa: E402 - after the GPU check
 
 hopper_bwd.STAGES = int(os.environ.get("KK_BWD_STAGES", hopper_bwd.STAGES))
-hopper_bwd.PIPELINE = os.environ.get("KK_BWD_PIPELINE", str(int(hopper_bwd.PIPELINE))) == "1"
 
 
-def grads(q, k, v, do, causal, gluon):
-    bwd_mod.GLUON = gluon
+def grads(q, k, v, do, causal, gluon, fused=False):
+    bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ = gluon, fused
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     attention(q, k, v, causal=causal).backward(do)
     return q.grad, k.grad, v.grad
@@ -27,11 +26,13 @@ for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
-    got, want = grads(q, k, v, do, causal, True), grads(q, k, v, do, causal, False)
-    torch.cuda.synchronize()
-    err = [float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want)]
-    print("stages", hopper_bwd.STAGES, "pipeline", hopper_bwd.PIPELINE, (b, sq, sk, hq, hk, d, causal),
-          "max |gluon - triton| / max |triton| (dq, dk, dv):", " ".join(f"{e:.1e}" for e in err),
-          "OK" if max(err) < 2e-2 else "MISMATCH")
-    bad = bad or max(err) >= 2e-2
+    want = grads(q, k, v, do, causal, False)
+    for fused in (False, True):
+        got = grads(q, k, v, do, causal, True, fused)
+        torch.cuda.synchronize()
+        err = [float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want)]
+        print("stages", hopper_bwd.STAGES, "dq fused" if fused else "dq triton", (b, sq, sk, hq, hk, d, causal),
+              "max |gluon - triton| / max |triton| (dq, dk, dv):", " ".join(f"{e:.1e}" for e in err),
+              "OK" if max(err) < 2e-2 else "MISMATCH")
+        bad = bad or max(err) >= 2e-2
 sys.exit(1 if bad else 0)

@@ -298,9 +298,9 @@ def test_fa4_row_maps_kernelkit_arguments(monkeypatch):
 # --- the Gluon dK / dV kernel (hopper_bwd.py) ---
 
 def test_attention_bwd_routes_supported_calls_to_gluon(monkeypatch):
-    # Host logic only: with the kernel and its check faked, an eligible backward launches the Gluon kernel with dQ
-    # fused (no Triton kernel but the preprocess); deterministic=True keeps dQ out of it (the Triton dQ kernel, never
-    # the atomic Triton path); the switch off goes back to the Triton kernels.
+    # Host logic only: with the kernel and its check faked, an eligible backward launches the Gluon dK / dV kernel and
+    # the Triton dQ kernel (never the atomic Triton path, never the Triton dK / dV kernel); with GLUON_FUSED_DQ the
+    # Gluon kernel takes dQ too, unless deterministic=True; the switch off goes back to the Triton kernels.
     from kernelkit.ops.attention import backward as bwd_mod
 
     calls = []
@@ -319,13 +319,11 @@ def test_attention_bwd_routes_supported_calls_to_gluon(monkeypatch):
         bwd_mod.attention_bwd(torch.randn_like(o), None, q, k, v, o, lse, True, None, None, None, 0, 0.125, **kw)
         return [c if isinstance(c, str) else c[0] for c in calls]
 
+    assert names() == ["attn_bwd_preprocess_kernel", "gluon", "attn_bwd_dq_kernel"], calls
+    assert ("gluon", True, 0.125, False) in calls
+    monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", True)
     assert names() == ["attn_bwd_preprocess_kernel", "gluon"] and calls[-1] == ("gluon", True, 0.125, True)
-    got = names(deterministic=True)
-    assert ("gluon", True, 0.125, False) in calls and not any("dkdv" in n for n in got), got
-    assert any("dq" in n for n in got), got
-    monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", False)
-    got = names()
-    assert ("gluon", True, 0.125, False) in calls and any("dq" in n for n in got), got
+    assert names(deterministic=True) == ["attn_bwd_preprocess_kernel", "gluon", "attn_bwd_dq_kernel"], calls
     monkeypatch.setattr(bwd_mod, "GLUON", False)
     names()
     assert not any(isinstance(c, tuple) for c in calls)
@@ -347,17 +345,17 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             LSE2=lse, DELTA=lse, DQ_ACC=dq, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_dqb=dq.stride(0),
             stride_dqh=dq.stride(1), seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1, scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused, PIPELINE=B.PIPELINE, STATS_SMEM=B.STATS_SMEM,
+             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))
 """
 
 
-# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused ptxas (Triton 3.6) spills 4-8 bytes at d128 and
-# d64 non-causal; a bound, so that more fails the build check.
-_BWD_BUILDS = {(128, True, False): 0, (128, True, True): 16, (64, False, True): 16, (64, True, True): 16,
-               (128, False, True): 16}
+# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused (off by default) ptxas (Triton 3.6) spills 16-20
+# bytes at d128, and 332-400 with the causal kernel's second (masked) copy of the step; a bound, so that more fails.
+_BWD_BUILDS = {(128, True, False): 0, (64, False, False): 0, (128, True, True): 400, (64, False, True): 0,
+               (64, True, True): 0, (128, False, True): 20}
 
 
 @pytest.mark.parametrize("d,causal,fused", list(_BWD_BUILDS))
@@ -376,16 +374,14 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-@pytest.mark.parametrize("fused_dq,pipeline", [(True, True), (False, True), (True, False)],
-                         ids=["dq-fused", "dq-triton", "dq-fused-serial"])
-def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, pipeline, monkeypatch):
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq-triton", "dq-fused"])
+def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, monkeypatch):
     b, sq, sk, hq, hk, d, dtype, causal = case
     from kernelkit.ops.attention import backward as bwd_mod
 
     calls = []
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)
-    monkeypatch.setattr(hopper_bwd, "PIPELINE", pipeline)
     real = hopper_bwd.dkdv_hopper
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()

@@ -41,11 +41,12 @@ ATOMIC_DQ = True
 # ... except from these sizes up, where the separate dq kernel measured faster on the H100.
 SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
-# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call;
-# KERNELKIT_ATTENTION_GLUON_BWD=0 keeps the Triton dK / dV kernel.
+# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call, with
+# KERNELKIT_ATTENTION_GLUON_BWD=1 (default 0: the Triton dK / dV kernel).
 GLUON = switches.on("KERNELKIT_ATTENTION_GLUON_BWD")
-# ... with dQ in the same kernel, by atomics, unless the caller asks for determinism (then the Triton dQ kernel).
-GLUON_FUSED_DQ = True
+# ... with dQ in the same kernel by atomics (not when the caller asks for determinism) instead of the Triton dQ
+# kernel: off, it measured 0.81-0.95x of the Triton dQ kernel's backward on the H100 (docs/ops/attention.md, stop 42).
+GLUON_FUSED_DQ = False
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 
 A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
 streams (query, dO) tiles of BLOCK_M[d] rows (64 at d64, 32 at d128) through a ring of STAGES slots with TMA:
-every query block of every query head of the GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys and, per
-query block, runs on wgmma:
+every query block of every query head of the GQA group that the mask lets see these keys. Each consumer
+warpgroup owns 64 of the keys and, per query block, runs on wgmma:
 
     Sᵀ  = K Qᵀ                 (64 keys x BLOCK_M queries; both operands in shared memory)
     Pᵀ  = exp2(Sᵀ·scale2 - lse2)   (lse2: the forward's lse in base 2, +inf for rows that saw no key)
@@ -15,18 +15,19 @@ query block, runs on wgmma:
 then releases the slot. dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA
 stores.
 
-dQ (`dkdv_hopper(..., dq=...)`, the default when the caller does not ask for determinism), FA3's way: each warpgroup
-writes its dSᵀ to shared memory (two slots); once both halves are there (an mbarrier), each computes half of
-dQᵀ = Kᵀ dSᵀ over all 128 keys on wgmma (head-dim rows 64 HALF.. at d128, query columns 32 HALF.. at d64) and adds
-it into a zeroed fp32 buffer with `red.global.add.v2.f32` (Gluon on Triton 3.6 has no TMA reduce). The buffer holds
-dQᵀ tile by tile, so inside a tile every address offset is a constant; one copy casts it into dq at the end. Five
-products a step instead of the separate dQ kernel's three more. Without `dq`, the Triton dQ kernel
-(`backward.attn_bwd_dq_kernel`) recomputes P and dP per query block and owns its rows (the deterministic path).
+dQ comes from the Triton dQ kernel (`backward.attn_bwd_dq_kernel`), which recomputes P and dP per query block and
+owns its rows: no atomics, bitwise reproducible. With `backward.GLUON_FUSED_DQ` (off) `dkdv_hopper(..., dq=...)`
+computes dQ here instead, FA3's way: each warpgroup writes its dSᵀ to shared memory (two slots); once both
+halves are there (an mbarrier), each computes half of dQᵀ = Kᵀ dSᵀ over all 128 keys on wgmma (head-dim rows
+64 HALF.. at d128, query columns 32 HALF.. at d64) and adds it into a zeroed fp32 buffer with `red.global.add.v2.f32` (Gluon on
+Triton 3.6 has no TMA reduce). The buffer holds dQᵀ tile by tile, so inside a tile every address offset is a
+constant; one copy casts it into dq at the end.
 
-Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on): on the H100 the dK / dV kernel measured 0.75-1.03x
-the Triton path's backward (docs/ops/attention.md, 2026-11-26), and with dQ fused (stop 42) 0.98-1.01x on an
-H200: level, not faster. Correct (GPU tests against float64, memcheck clean) and kept for the next step: 64-query
-tiles at d128, which need dK / dV or P / dS out of registers.
+Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on). H100, stop 42's 14-row table (docs/ops/attention.md):
+with the Triton dQ kernel 0.95-1.24x the all-Triton backward (faster on 10 rows), still 0.56-0.95x cuDNN; with dQ
+fused 0.81-0.95x of that. Measured slower and removed (stop 42, 0.78-0.99x): a software-pipelined step loop (the
+next block's Sᵀ issued behind dV / dPᵀ, its softmax under dK / dQ) with lse / delta staged in shared memory by the
+producer.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -50,10 +51,6 @@ BLOCK_N = 2 * HALF_N
 # tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
-# the step loop software-pipelined (`_pipelined`) or one step after the other (`_step`)
-PIPELINE = True
-# lse2 and delta rows staged in shared memory by the producer (True) or loaded by each consumer from global memory
-STATS_SMEM = True
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
 
@@ -74,16 +71,11 @@ def _q_range(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv_bar, ready,
-              empty, LSE2, DELTA, stride_lb, stride_lh, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr, STATS_SMEM: gl.constexpr):
-    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group, and with
-    STATS_SMEM the block's lse2 and delta rows into shared memory (plain loads, stored before the slot's barrier
-    arrives), so the consumers read them there instead of waiting on global loads."""
+def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, b, hk, n0,
+              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
-    rows_l: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
-    l_base = b.to(gl.int64) * stride_lb
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + i * HALF, 0], kv_bar,
@@ -99,12 +91,6 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
         for mb in range(lo, hi):
             slot = c % STAGES
             mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
-            if STATS_SMEM:
-                rows = mb * BM + gl.arange(0, BM, layout=rows_l)
-                l_off = l_base + h.to(gl.int64) * stride_lh
-                lse_bufs.index(slot).store(gl.load(LSE2 + l_off + rows, mask=rows < seqlen_q, other=POS_INF))
-                delta_bufs.index(slot).store(gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0))
-                gl.thread_barrier()  # every lane's stores before the one thread that arrives
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, mb * BM, 0], bar,
@@ -215,87 +201,9 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
 
 
 @gluon.jit
-def _block_rows(t, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh, seqlen_q, s_layout: gl.constexpr,
-                BM: gl.constexpr, STAGES: gl.constexpr, STATS_SMEM: gl.constexpr):
-    """Step t of the flattened walk (heads of the group outer, query blocks inner): its query block, query head,
-    query positions and their lse in base 2 (+inf past the rows)."""
-    n = gl.maximum(n_mb, 1)  # (no key of this block seen: the walk is empty, the spare step reads block lo)
-    mb = lo + t % n
-    h = hk * group + t // n
-    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-    if STATS_SMEM:
-        lse2 = lse_bufs.index(t % STAGES).load(gl.SliceLayout(0, s_layout))
-    else:
-        lse2 = gl.load(LSE2 + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=POS_INF)
-    return mb, h, rows, lse2
-
-
-@gluon.jit
-def _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL: gl.constexpr):
-    """Pᵀ from Sᵀ. Causal: every block takes the mask (a no-op off the diagonal), so one loop body serves all."""
-    if CAUSAL:
-        s_t = gl.where(gl.expand_dims(keys - shift, 1) <= gl.expand_dims(rows, 0), s_t, float("-inf"))
-    return gl.exp2(s_t * scale2 - gl.expand_dims(lse2, 0))
-
-
-@gluon.jit
-def _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, ready, empty, dk, dv, zero_s, keys,
-               lo, n_mb, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
-               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-               STATS_SMEM: gl.constexpr, HALF: gl.constexpr):
-    """The step loop software-pipelined: step t+1's Sᵀ is issued behind step t's dV and dPᵀ, and its Pᵀ computed
-    while step t's dK (and dQ) run on the tensor cores. The last step issues a spare Sᵀ on its own slot."""
-    BM: gl.constexpr = q_bufs.type.shape[1]
-    s_layout: gl.constexpr = zero_s.type.layout
-    acc_layout: gl.constexpr = dk.type.layout
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    k = k_bufs.index(HALF)
-    total = group * n_mb
-    mbarrier.wait(ready.index(0), 0, pred=total > 0)
-    s_t = warpgroup_mma(k, q_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mb, h, rows, lse2 = _block_rows(0, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh, seqlen_q, s_layout,
-                                    BM, STAGES, STATS_SMEM)
-    s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-    p_t = _probs(s_t, rows, lse2, keys, shift, scale2, CAUSAL)
-    for t in range(total):
-        slot = t % STAGES
-        q = q_bufs.index(slot)
-        do = do_bufs.index(slot)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(q_bufs.dtype), op_layout), do, dv, is_async=True)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        tn = gl.minimum(t + 1, total - 1)  # the last step: its own slot again (already full, not yet released)
-        mbarrier.wait(ready.index(tn % STAGES), (tn // STAGES) & 1)
-        s_n = warpgroup_mma(k, q_bufs.index(tn % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if STATS_SMEM:
-            delta = delta_bufs.index(slot).load(gl.SliceLayout(0, s_layout))
-        else:
-            delta = gl.load(DELTA + l_base + h.to(gl.int64) * stride_lh + rows, mask=rows < seqlen_q, other=0.0)
-        dv, dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dp_t))
-        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
-        mb_n, h_n, rows_n, lse2_n = _block_rows(tn, lo, n_mb, hk, group, LSE2, lse_bufs, l_base, stride_lh,
-                                                seqlen_q, s_layout, BM, STAGES, STATS_SMEM)
-        if FUSED_DQ:
-            dq_t = _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, t, HALF)
-            s_n = warpgroup_mma_wait(num_outstanding=3, deps=(s_n,))  # dK and dQ's two still run
-            p_t = _probs(s_n, rows_n, lse2_n, keys, shift, scale2, CAUSAL)
-            dk, dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq_t))
-            mbarrier.arrive(empty.index(slot), count=1)
-            _dq_add(dq_t, mb, h, DQ_ACC, dq_base, stride_dqh, scale, k.type.shape[1], BM, HALF)
-        else:
-            s_n = warpgroup_mma_wait(num_outstanding=1, deps=(s_n,))  # dK still runs
-            p_t = _probs(s_n, rows_n, lse2_n, keys, shift, scale2, CAUSAL)
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-            mbarrier.arrive(empty.index(slot), count=1)
-        mb, h, rows = mb_n, h_n, rows_n
-    return dk, dv
-
-
-@gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC,
-              stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
-              STATS_SMEM: gl.constexpr, HALF: gl.constexpr):
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA,
+              DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
+              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -315,24 +223,19 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds
     k = k_bufs.index(HALF)
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
-    if PIPELINE:
-        dk, dv = _pipelined(k_bufs, v, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, ready, empty, dk, dv,
-                            zero_s, keys, lo, hi - lo, hk, group, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh,
-                            stride_dqh, seqlen_q, shift, scale, scale2, CAUSAL, STAGES, FUSED_DQ, STATS_SMEM, HALF)
-    else:
-        c = gl.to_tensor(0)
-        for g in range(group):
-            h = hk * group + g
-            for mb in range(lo, a):
-                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
-                               keys, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
-                               scale, scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
-                c += 1
-            for mb in range(a, hi):
-                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
-                               keys, LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift,
-                               scale, scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
-                c += 1
+    c = gl.to_tensor(0)
+    for g in range(group):
+        h = hk * group + g
+        for mb in range(lo, a):
+            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
+                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
+                           scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
+            c += 1
+        for mb in range(a, hi):
+            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
+                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
+                           scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
+            c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
     v.store(dv.to(dv_desc.dtype))
@@ -348,12 +251,12 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds
 def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
                                 stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, PIPELINE: gl.constexpr,
-                                STATS_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
-    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32, the
-    layout of q, strides in elements), else the caller runs the Triton dQ kernel."""
+    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32 dQᵀ
+    tiles, (batch, heads, query blocks, head_dim, BLOCK_M), strides in elements), else the caller runs the Triton dQ
+    kernel."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -365,9 +268,6 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
-    stats_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (the rank of one slot)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stats_l)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stats_l)
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
@@ -386,17 +286,16 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     stride_dqb = gl.to_tensor(stride_dqb)
     stride_dqh = gl.to_tensor(stride_dqh)
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar,
-                                     ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh,
-                                     stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2,
-                                     CAUSAL, STAGES, FUSED_DQ, PIPELINE, STATS_SMEM, 0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, lse_bufs, delta_bufs, ds_bar, kv_bar,
-                                     ready, empty, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh,
-                                     stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2,
-                                     CAUSAL, STAGES, FUSED_DQ, PIPELINE, STATS_SMEM, 1)),
-                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs,
-                                     delta_bufs, kv_bar, ready, empty, LSE2, DELTA, stride_lb, stride_lh, b, hk, n0,
-                                     group, seqlen_q, seqlen_k, CAUSAL, STAGES, STATS_SMEM))],
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     1)),
+                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
+                                     empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
@@ -437,7 +336,6 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
         dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
-        FUSED_DQ=dq is not None, PIPELINE=PIPELINE, STATS_SMEM=STATS_SMEM,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
         dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
