@@ -6,7 +6,12 @@ SDPA pinned to cuDNN and to FlashAttention-2, and FlashAttention-4's CuTe-DSL ke
 imports (its sm_90 path). `triton.testing.do_bench` median with the L2 flushed before each call; TFLOP/s from
 the op's cost model (4·d per attended pair and head; backward 2.5x). Backward = (forward + backward) - forward.
 
-    python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--kernel-time] [--rows d128-s4096,...]
+    python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--kernel-time] [--rows "d128 s4096,..."]
+        [--bwd-variants] [--only cudnn,kernelkit,kk-bwd-gluon,...]
+
+`--bwd-variants` adds the Gluon backward (`kk-bwd-gluon`: its dK / dV kernel and the Triton dQ kernel;
+`kk-bwd-fused`: dQ fused; `kk-bwd-gluon-s3`: 3 ring slots). Every kernelkit implementation sets all the backward's
+switches on each call and leaves them set, so the backward timed after it is its own.
 """
 
 from __future__ import annotations
