@@ -10,7 +10,8 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
         [--bwd-variants] [--only cudnn,kernelkit,kk-bwd-gluon,...]
 
 `--bwd-variants` adds the Gluon backward (`kk-bwd-gluon`: its dK / dV kernel and the Triton dQ kernel;
-`kk-bwd-fused`: dQ fused; `kk-bwd-gluon-s3`: 3 ring slots). Every kernelkit implementation sets all the backward's
+`kk-bwd-fused`: dQ fused; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128, which
+spill 68 bytes, 288 causal, on ptxas of Triton 3.6: not measured yet). Every kernelkit implementation sets all the backward's
 switches on each call and leaves them set, so the backward timed after it is its own.
 """
 
@@ -28,7 +29,8 @@ from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forwar
 from kernelkit.testing.bench import kernel_time_ms
 
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
-SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES)
+SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
+                   bm128=hopper_bwd.BLOCK_M[128])
 
 
 def _bwd_state(**over) -> None:
@@ -37,6 +39,7 @@ def _bwd_state(**over) -> None:
     shipped backward under every name. Each kernelkit implementation calls this first."""
     st = {**SHIPPED_BWD, **{k: v for k, v in over.items() if v is not None}}
     bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.STAGES = st["gluon"], st["fused"], st["stages"]
+    hopper_bwd.BLOCK_M[128] = st["bm128"]
 
 
 def rows():
@@ -76,12 +79,12 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, stages: int | None = None):
+def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
-    the Triton dQ kernel, and `stages` (Q, dO) ring slots."""
+    the Triton dQ kernel, `stages` (Q, dO) ring slots and `bm128` queries a step at d128."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        _bwd_state(gluon=True, fused=fused_dq, stages=stages)
+        _bwd_state(gluon=True, fused=fused_dq, stages=stages, bm128=bm128)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -145,7 +148,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({f"kk-gluon-{n}wg-grid": _kk_variant(consumers=n, persistent=False) for n in consumers})
     if bwd_variants:
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
-                    "kk-bwd-gluon-s3": _kk_bwd(False, stages=3)})
+                    "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
