@@ -336,12 +336,12 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     dq_strides = row_strides(dq_acc, varlen) if atomic else (0, 0, 0)
     grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
     key = (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype)
-    if gluon and GLUON_FUSED_DQ and not deterministic:
-        dq = empty(q.shape, dtype=q.dtype, device=q.device)
-        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
-        return dq, dk, dv
     if gluon:
-        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale)
+        fused = GLUON_FUSED_DQ and not deterministic
+        dq = empty(q.shape, dtype=q.dtype, device=q.device) if fused else None
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
+        if fused:
+            return dq, dk, dv
     else:
         launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
                *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),
