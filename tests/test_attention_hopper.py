@@ -339,11 +339,13 @@ d, causal, fused = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 bm = B.BLOCK_M[d]
 q, k = (torch.empty(s, dtype=torch.bfloat16) for s in ((2, 200, 4, d), (2, 300, 2, d)))
 lse = torch.empty(2, 4, 200)
-dq = torch.empty(2, 4, 7, d, bm)
+n_mb = -(-200 // bm)
+dq, dq_desc = B.dq_buffer(2, 4, n_mb, d, bm, "cpu")
 args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopper._desc(k, B.HALF_N),
             v_desc=hopper._desc(k, B.HALF_N), dk_desc=hopper._desc(k, B.HALF_N), dv_desc=hopper._desc(k, B.HALF_N),
-            LSE2=lse, DELTA=lse, DQ_ACC=dq, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_dqb=dq.stride(0),
-            stride_dqh=dq.stride(1), seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1, scale2=0.2)
+            dq_desc=dq_desc if fused else hopper._desc(k, B.HALF_N), LSE2=lse, DELTA=lse, stride_lb=lse.stride(0),
+            stride_lh=lse.stride(1), n_mb=n_mb, seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1,
+            scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
              DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
@@ -375,10 +377,15 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
 @pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 @pytest.mark.parametrize("fused_dq", [False, True], ids=["dq-triton", "dq-fused"])
-def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, monkeypatch):
+@pytest.mark.parametrize("bm128", [32, 64], ids=["bm32", "bm64"])
+def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, bm128, monkeypatch):
+    # bm128: queries per step at head dim 128; 64 with dQ fused is the queries-as-rows step (`_step_rows`)
     b, sq, sk, hq, hk, d, dtype, causal = case
     from kernelkit.ops.attention import backward as bwd_mod
 
+    if d != 128 and bm128 != 32:
+        pytest.skip("bm128 changes head dim 128 only")
+    monkeypatch.setitem(hopper_bwd.BLOCK_M, 128, bm128)
     calls = []
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)

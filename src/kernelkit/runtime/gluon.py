@@ -1,4 +1,5 @@
-"""What launching a Gluon kernel needs on the host, made once: the shared-memory layouts of TMA boxes.
+"""What launching a Gluon kernel needs on the host, made once: the shared-memory layouts of TMA boxes. And
+`tma_reduce_add`, the TMA reduce that Gluon's builder has on Triton 3.6 but its language does not export.
 
 `gl.NVMMASharedLayout.get_default_for` takes 10-20 us of host time a call; a kernel call that built its
 descriptors' layouts afresh paid that three to six times (the attention forward: 161 us of host time a call on the
@@ -7,7 +8,9 @@ H100's host against the Triton kernel's 51).
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 
 GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
              torch.float16: gl.float16, torch.float32: gl.float32}
@@ -20,3 +23,13 @@ def smem_layout(block: tuple, dtype: torch.dtype):
     if got is None:
         got = _LAYOUTS[(block, dtype)] = gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
     return got
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[tensor_desc box at coord] += src (a shared tile of the box's shape and layout), by the TMA unit
+    (`cp.reduce.async.bulk.tensor ... .add`, sm_90), asynchronous like `tma.async_copy_shared_to_global`: wait with
+    `tma.store_wait` before src is written again. fp32 add is done in L2, one reduce per box instead of one atomic
+    per element from registers."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

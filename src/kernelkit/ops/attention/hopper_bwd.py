@@ -41,8 +41,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
 from ...runtime import launch
-from ...runtime.gluon import smem_layout
+from ...runtime.gluon import smem_layout, tma_reduce_add
 from . import hopper as _fwd
 
 HALF_N = 64  # keys per consumer warpgroup
@@ -53,6 +55,12 @@ BLOCK_M = {64: 64, 128: 32}
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
+
+
+@gluon.constexpr_function
+def _rows(fused_dq, head_d, block_m):
+    """Whether the step runs with queries as rows (`_step_rows`): dQ fused, head dim 128, 64-query blocks."""
+    return bool(fused_dq) and head_d == 128 and block_m == 64
 
 
 @gluon.jit
@@ -104,61 +112,34 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
 
 
 @gluon.jit
-def _red_add_pairs(ptrs, values):
-    """*ptrs += values, fp32, without a result: one `red.global.add.v2.f32` (sm_90) per two neighbouring elements
-    of a thread (the wgmma accumulator's column pairs, neighbours in memory, 8-byte aligned)."""
-    gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.u32 $0, 0;\n\tmov.u32 $1, 0;",
-                              "=r,=r,l,l,r,r", [ptrs.to(gl.int64, bitcast=True), values.to(gl.int32, bitcast=True)],
-                              dtype=gl.int32, is_pure=False, pack=2)
-
-
-@gluon.jit
-def _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, c, HALF: gl.constexpr):
-    """dQ with the two warpgroups' dSᵀ shared: each writes its 64 keys' dSᵀ to shared memory (two slots, so a
-    warpgroup one step ahead never overwrites what the other still reads), and once both are there issues half of
-    dQᵀ = Kᵀ dSᵀ over all 128 keys (two wgmmas, not waited): head-dim rows 64 HALF.. at d128, query columns
-    BM/2 HALF.. at d64. One atomic per element and key block, not two."""
-    BM: gl.constexpr = ds_bufs.type.shape[2]
+def _dq_mma(k_bufs, ds_bufs, dslot, col, HALF: gl.constexpr):
+    """One 64 x 32 box of this warpgroup's share of dQᵀ = Kᵀ dSᵀ over all 128 keys (both warpgroups' dSᵀ, slot
+    `dslot`), issued, not waited: head-dim rows 64 HALF.. at d128, head-dim rows 0..64 at d64; query columns col..+32."""
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
-    NQ: gl.constexpr = BM if HEAD_D == 128 else BM // 2
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-    dslot = c % 2
-    ds_bufs.index(dslot * 2 + HALF).store(ds_t)
-    fence_async_shared()
-    gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
-    mbarrier.arrive(ds_bar.index(dslot), count=1)
-    mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
-    acc = gl.zeros([64, NQ], gl.float32, layout=acc_l)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    acc = gl.zeros([64, 32], gl.float32, layout=acc_l)
     for j in gl.static_range(2):
         if HEAD_D == 128:
             a_op = k_bufs.index(j).slice(HALF * 64, 64, dim=1).permute((1, 0))
-            b_op = ds_bufs.index(dslot * 2 + j)
         else:
             a_op = k_bufs.index(j).permute((1, 0))
-            b_op = ds_bufs.index(dslot * 2 + j).slice(HALF * NQ, NQ, dim=1)
-        acc = warpgroup_mma(a_op, b_op, acc, use_acc=j > 0, is_async=True)
+        acc = warpgroup_mma(a_op, ds_bufs.index(dslot * 2 + j).slice(col, 32, dim=1), acc, use_acc=j > 0,
+                            is_async=True)
     return acc
 
 
 @gluon.jit
-def _dq_add(acc, mb, h, DQ_ACC, dq_base, stride_dqh, scale, HEAD_D: gl.constexpr, BM: gl.constexpr,
-            HALF: gl.constexpr):
-    """Add a warpgroup's half of a query block's dQᵀ (`_dq_issue`, waited) into DQ_ACC. DQ_ACC holds dQᵀ tile by
-    tile, (batch, heads, query blocks, head_dim, BM), dense: inside a tile every offset is a constant and a thread's
-    two neighbouring queries are neighbours in memory."""
-    acc_l: gl.constexpr = acc.type.layout
-    NQ: gl.constexpr = acc.type.shape[1]
-    c0: gl.constexpr = HALF * 64 if HEAD_D == 128 else 0
-    q0: gl.constexpr = 0 if HEAD_D == 128 else HALF * NQ
-    qcols = q0 + gl.arange(0, NQ, layout=gl.SliceLayout(0, acc_l))
-    drows = c0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    base = DQ_ACC + dq_base + h.to(gl.int64) * stride_dqh + (mb * BM * HEAD_D).to(gl.int64)
-    _red_add_pairs(base + gl.expand_dims(drows * BM, 1) + gl.expand_dims(qcols, 0), acc * scale)
+def _dq_put(acc, stage, dq_desc, row, col, scale):
+    """Hand a waited dQᵀ box to the TMA unit: into its shared staging tile, then reduce-add into the fp32 buffer."""
+    stage.store(acc * scale)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part of the tile, before one thread issues the reduce
+    tma_reduce_add(dq_desc, [row, col], stage)
 
 
 @gluon.jit
 def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
-          DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
+          dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
           CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One query block for one warpgroup's 64 keys (the module docstring's products)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
@@ -187,27 +168,107 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dp_t))
     dv, dp_t = dp_t
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
-    dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
     if FUSED_DQ:
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+        # dSᵀ to shared memory (two slots: a warpgroup a step ahead never overwrites what the other still reads);
+        # dK reads it there, and once both warpgroups' halves are in, so does dQᵀ = Kᵀ dSᵀ.
+        HEAD_D: gl.constexpr = k.type.shape[1]
+        NQ: gl.constexpr = BM if HEAD_D == 128 else BM // 2  # this warpgroup's query columns of dQᵀ
+        q0: gl.constexpr = 0 if HEAD_D == 128 else HALF * NQ
+        dslot = c % 2
+        ds_s = ds_bufs.index(dslot * 2 + HALF)
+        ds_s.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
+        mbarrier.arrive(ds_bar.index(dslot), count=1)
+        dk = warpgroup_mma(ds_s, q, dk, is_async=True)
+        mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
+        dq0 = _dq_mma(k_bufs, ds_bufs, dslot, q0, HALF)
+        if NQ == 64:
+            dq1 = _dq_mma(k_bufs, ds_bufs, dslot, q0 + 32, HALF)
+            dk, dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq0, dq1))
+        else:
+            dk, dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq0))
         mbarrier.arrive(empty.index(slot), count=1)
-        dq_t = _dq_issue(k_bufs, ds_bufs, ds_bar, ds_t, c, HALF)
-        dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t,))
-        _dq_add(dq_t, mb, h, DQ_ACC, dq_base, stride_dqh, scale, k.type.shape[1], BM, HALF)
+        tma.store_wait(pendings=0)  # the previous step's reduces have read the staging tiles
+        gl.thread_barrier()
+        row = dq_tile + mb * HEAD_D + (HALF * 64 if HEAD_D == 128 else 0)
+        _dq_put(dq0, dq_stage.index(HALF * (NQ // 32)), dq_desc, row, q0, scale)
+        if NQ == 64:
+            _dq_put(dq1, dq_stage.index(HALF * 2 + 1), dq_desc, row, q0 + 32, scale)
     else:
+        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA,
-              DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b, hk, n0, group, seqlen_q, seqlen_k, scale,
+def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c, mb, h, dk, dv, LSE2,
+               DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0, shift, scale, scale2, MASKED: gl.constexpr,
+               CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One 64-query block for one warpgroup's 64 keys with queries as rows (head dim 128, dQ fused), FA3's way:
+    S = Q Kᵀ and dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does;
+    P and dS go through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this
+    warpgroup adds its 64 head-dim columns of dQ = dS K (all 128 keys) by one TMA reduce."""
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    k = k_bufs.index(HALF)
+    HALF_N: gl.constexpr = k.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_N, 16])
+    slot = c % STAGES
+    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+    q = q_bufs.index(slot)
+    do = do_bufs.index(slot)
+    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([BM, HALF_N], gl.float32, layout=s_layout), use_acc=False,
+                      is_async=True)
+    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # query positions
+    l_off = l_base + h.to(gl.int64) * stride_lh
+    lse2 = gl.load(LSE2 + l_off + rows, mask=rows < seqlen_q, other=POS_INF)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    if MASKED:  # a key right of a query's diagonal: its score is -inf, its probability 0
+        if CAUSAL:
+            keys = n0 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(keys - shift, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    p = gl.exp2(s * scale2 - gl.expand_dims(lse2, 1))
+    dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([BM, HALF_N], gl.float32, layout=s_layout), use_acc=False,
+                       is_async=True)
+    p_s = p_bufs.index(HALF)
+    p_s.store(p.to(q_bufs.dtype))  # the previous step's dV, its reader, was waited
+    fence_async_shared()
+    gl.thread_barrier()
+    dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
+    delta = gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0)
+    dp, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dp, dv))
+    ds = (p * (dp - gl.expand_dims(delta, 1))).to(q_bufs.dtype)
+    dslot = c % 2  # two slots: a warpgroup a step ahead never overwrites what the other still reads
+    ds_s = ds_bufs.index(dslot * 2 + HALF)
+    ds_s.store(ds)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
+    mbarrier.arrive(ds_bar.index(dslot), count=1)
+    dk = warpgroup_mma(ds_s.permute((1, 0)), q, dk, is_async=True)
+    mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
+    dq = gl.zeros([BM, 64], gl.float32, layout=s_layout)
+    for j in gl.static_range(2):
+        dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j), k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq,
+                           use_acc=j > 0, is_async=True)
+    dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
+    mbarrier.arrive(empty.index(slot), count=1)
+    tma.store_wait(pendings=0)  # the previous step's reduce has read the staging tile
+    gl.thread_barrier()
+    _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA,
+              dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale,
               scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
     BM: gl.constexpr = q_bufs.type.shape[1]
+    ROWS: gl.constexpr = _rows(FUSED_DQ, HEAD_D, BM)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -219,23 +280,30 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
     shift = seqlen_k - seqlen_q
     lo, a, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF_N)
     l_base = b.to(gl.int64) * stride_lb
-    dq_base = b.to(gl.int64) * stride_dqb
     k = k_bufs.index(HALF)
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
     c = gl.to_tensor(0)
     for g in range(group):
         h = hk * group + g
-        for mb in range(lo, a):
-            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
-                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
-            c += 1
-        for mb in range(a, hi):
-            dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys,
-                           LSE2, DELTA, DQ_ACC, l_base, dq_base, stride_lh, stride_dqh, seqlen_q, shift, scale,
-                           scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
-            c += 1
+        dq_tile = (b * n_heads_q + h) * n_mb * (BM if ROWS else HEAD_D)  # dQ buffer row of the head's block 0
+        if ROWS:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
+            for mb in range(lo, hi):
+                dk, dv = _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c,
+                                    mb, h, dk, dv, LSE2, DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0,
+                                    shift, scale, scale2, True, CAUSAL, STAGES, HALF)
+                c += 1
+        else:
+            for mb in range(lo, a):
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
+                               keys, LSE2, DELTA, dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift,
+                               scale, scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
+                c += 1
+            for mb in range(a, hi):
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
+                               keys, LSE2, DELTA, dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift,
+                               scale, scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
+                c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
     v.store(dv.to(dv_desc.dtype))
@@ -248,15 +316,15 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, e
 
 
 @gluon.jit
-def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, LSE2, DELTA, DQ_ACC, stride_lb,
-                                stride_lh, stride_dqb, stride_dqh, seqlen_q, seqlen_k, n_heads_k, group,
+def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE2, DELTA, stride_lb,
+                                stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
-    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ by atomics into DQ_ACC (fp32 dQᵀ
-    tiles, (batch, heads, query blocks, head_dim, BLOCK_M), strides in elements), else the caller runs the Triton dQ
-    kernel."""
+    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ too, added by TMA reduces through
+    dq_desc into a zeroed fp32 buffer of dQᵀ tiles, (batch, heads, query blocks, head_dim, BLOCK_M) viewed as
+    (rows, BLOCK_M) with (64, 32) boxes; else the caller runs the Triton dQ kernel and dq_desc is not used."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -284,14 +352,25 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     group = gl.to_tensor(group)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    stride_dqb = gl.to_tensor(stride_dqb)
-    stride_dqh = gl.to_tensor(stride_dqh)
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+    n_mb = gl.to_tensor(n_mb)
+    n_heads_q = n_heads_k * group
+    ROWS: gl.constexpr = _rows(FUSED_DQ, HEAD_D, BM)
+    if ROWS:  # each warpgroup's P, and its fp32 64 x 64 dQ box
+        p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, 64], dq_desc.layout)
+    elif FUSED_DQ:  # a 64 x 32 fp32 staging tile per dQᵀ box a warpgroup adds per step: BLOCK_M // 32 at d128, else 1
+        p_bufs = ds_bufs  # not used
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2 * (BM // 32 if HEAD_D == 128 else 1), 64, 32],
+                                             dq_desc.layout)
+    else:
+        p_bufs = ds_bufs  # not used
+        dq_stage = ds_bufs  # not used
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
                                      0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, DQ_ACC, stride_lb, stride_lh, stride_dqb, stride_dqh, b,
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+                                     dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
                                      1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
@@ -311,31 +390,50 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
 
 
 def ds_layout(d: int, dtype: torch.dtype):
-    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). At d64 each warpgroup reads half the
-    queries for dQ, 32 = 64 bytes: the swizzle is 64 bytes wide, so that half starts on a swizzle atom."""
-    if d == 64:
-        return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-    return smem_layout((HALF_N, BLOCK_M[d]), dtype)
+    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). dQ reads it in 32-query columns
+    (64 bytes), so the swizzle is 64 bytes wide and every such column starts on a swizzle atom."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+
+def rows_step(d: int, bm: int, fused_dq: bool) -> bool:
+    """The host's copy of the kernel's `_rows`: whether dQ is kept with queries as rows."""
+    return bool(fused_dq) and d == 128 and bm == 64
+
+
+def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
+    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. With queries as rows
+    (`rows_step`): (batch, heads, n_mb * bm, d), 64 x 64 boxes. Else dQᵀ tile by tile, (batch, heads, query blocks,
+    d, bm), 64 x 32 boxes, so that a warpgroup's box is 64 head-dim rows of 32 queries."""
+    if rows_step(d, bm, True):
+        acc, box = torch.zeros(batch * hq * n_mb * bm, d, dtype=torch.float32, device=device), (64, 64)
+    else:
+        acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, 32)
+    return acc, TensorDescriptor(acc, list(acc.shape), [acc.shape[1], 1], list(box), smem_layout(box, torch.float32))
 
 
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
                 stages: int | None = None) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
-    (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by atomics into a
-    zeroed fp32 buffer of dQᵀ tiles that is then copied into `dq`. `supports` checked by the caller."""
+    (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by TMA reduces into a
+    zeroed fp32 buffer (`dq_buffer`) that is then copied into `dq`. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
     bm = BLOCK_M[d]
     rows = smem_layout((HALF_N, d), q.dtype)
     n_mb = -(-seq_q // bm)
-    dq_acc = torch.zeros(batch, hq, n_mb, d, bm, dtype=torch.float32, device=q.device) if dq is not None else lse2
+    k_desc = _fwd._desc(k, HALF_N)
+    dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device) if dq is not None else (None, k_desc)
     grid = (-(-seq_k // BLOCK_N), batch * hk)
     launch(  # through runtime.launch, as the forward
         attn_bwd_dkdv_hopper_kernel, grid, None,
-        _fwd._desc(q, bm), _fwd._desc(do, bm), _fwd._desc(k, HALF_N), _fwd._desc(v, HALF_N),
-        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), lse2, delta, dq_acc, lse2.stride(0), lse2.stride(1),
-        dq_acc.stride(0), dq_acc.stride(1), seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
+        _fwd._desc(q, bm), _fwd._desc(do, bm), k_desc, _fwd._desc(v, HALF_N),
+        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
+        n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
         FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    if dq is not None:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d), cast while copied
-        dq.copy_(dq_acc.permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
+    if dq is None:
+        return
+    if rows_step(d, bm, True):  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
+        dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
+    else:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d)
+        dq.copy_(dq_acc.view(batch, hq, n_mb, d, bm).permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
