@@ -149,7 +149,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
     if bwd_variants:
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
-                    "kk-bwd-fused-bm64": _kk_bwd(True, bm128=64)})
+                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -41,12 +41,15 @@ ATOMIC_DQ = True
 # ... except from these sizes up, where the separate dq kernel measured faster on the H100.
 SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
-# dK / dV through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call, with
-# KERNELKIT_ATTENTION_GLUON_BWD=1 (default 0: the Triton dK / dV kernel).
-GLUON = switches.on("KERNELKIT_ATTENTION_GLUON_BWD")
-# ... with dQ in the same kernel by atomics (not when the caller asks for determinism) instead of the Triton dQ
-# kernel: off, it measured 0.81-0.95x of the Triton dQ kernel's backward on the H100 (docs/ops/attention.md, stop 42).
-GLUON_FUSED_DQ = False
+# The backward through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call:
+# KERNELKIT_ATTENTION_GLUON_BWD `auto` (GLUON = "auto": at the head dims of GLUON_AUTO_HEAD_DIMS), `1` (True: every
+# head dim it supports), `0` (False: the Triton kernels). H100, stop 43: 1.06-1.31x the Triton backward at d128 on 7
+# of 8 rows, 0.75-1.05x at d64 (docs/ops/attention.md).
+GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENTION_GLUON_BWD")]
+GLUON_AUTO_HEAD_DIMS = (128,)
+# ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ
+# kernel, which owns its rows).
+GLUON_FUSED_DQ = True
 
 
 @triton.jit
@@ -318,7 +321,8 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
            *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
-    gluon = (GLUON and _hopper_bwd is not None and not interpreting()
+    gluon = ((GLUON is True or (GLUON == "auto" and d in GLUON_AUTO_HEAD_DIMS)) and _hopper_bwd is not None
+             and not interpreting()
              and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
     tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)
     separate_faster = gluon or (d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K)

@@ -52,15 +52,10 @@ BLOCK_N = 2 * HALF_N
 # Queries per step, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a thread, and the 64 x 64 score
 # tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
+BLOCK_M_FUSED = 64  # with dQ fused (`_step_rows`), every head dim
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
-
-
-@gluon.constexpr_function
-def _rows(fused_dq, head_d, block_m):
-    """Whether the step runs with queries as rows (`_step_rows`): dQ fused, head dim 128, 64-query blocks."""
-    return bool(fused_dq) and head_d == 128 and block_m == 64
 
 
 @gluon.jit
@@ -112,23 +107,6 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
 
 
 @gluon.jit
-def _dq_mma(k_bufs, ds_bufs, dslot, col, HALF: gl.constexpr):
-    """One 64 x 32 box of this warpgroup's share of dQᵀ = Kᵀ dSᵀ over all 128 keys (both warpgroups' dSᵀ, slot
-    `dslot`), issued, not waited: head-dim rows 64 HALF.. at d128, head-dim rows 0..64 at d64; query columns col..+32."""
-    HEAD_D: gl.constexpr = k_bufs.type.shape[2]
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
-    acc = gl.zeros([64, 32], gl.float32, layout=acc_l)
-    for j in gl.static_range(2):
-        if HEAD_D == 128:
-            a_op = k_bufs.index(j).slice(HALF * 64, 64, dim=1).permute((1, 0))
-        else:
-            a_op = k_bufs.index(j).permute((1, 0))
-        acc = warpgroup_mma(a_op, ds_bufs.index(dslot * 2 + j).slice(col, 32, dim=1), acc, use_acc=j > 0,
-                            is_async=True)
-    return acc
-
-
-@gluon.jit
 def _dq_put(acc, stage, dq_desc, row, col, scale):
     """Hand a waited dQᵀ box to the TMA unit: into its shared staging tile, then reduce-add into the fp32 buffer."""
     stage.store(acc * scale)
@@ -138,10 +116,11 @@ def _dq_put(acc, stage, dq_desc, row, col, scale):
 
 
 @gluon.jit
-def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA,
-          dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift, scale, scale2, MASKED: gl.constexpr,
-          CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
-    """One query block for one warpgroup's 64 keys (the module docstring's products)."""
+def _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2, DELTA, l_base, stride_lh,
+          seqlen_q, shift, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+          HALF: gl.constexpr):
+    """One query block for one warpgroup's 64 keys, keys as rows (dQ from the Triton kernel): Sᵀ = K Qᵀ, Pᵀ and dSᵀ
+    stay in registers as the A operands of dV += Pᵀ dO and dK += dSᵀ Q."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
     acc_layout: gl.constexpr = dk.type.layout
@@ -168,37 +147,9 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dp_t))
     dv, dp_t = dp_t
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
-    if FUSED_DQ:
-        # dSᵀ to shared memory (two slots: a warpgroup a step ahead never overwrites what the other still reads);
-        # dK reads it there, and once both warpgroups' halves are in, so does dQᵀ = Kᵀ dSᵀ.
-        HEAD_D: gl.constexpr = k.type.shape[1]
-        NQ: gl.constexpr = BM if HEAD_D == 128 else BM // 2  # this warpgroup's query columns of dQᵀ
-        q0: gl.constexpr = 0 if HEAD_D == 128 else HALF * NQ
-        dslot = c % 2
-        ds_s = ds_bufs.index(dslot * 2 + HALF)
-        ds_s.store(ds_t)
-        fence_async_shared()
-        gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
-        mbarrier.arrive(ds_bar.index(dslot), count=1)
-        dk = warpgroup_mma(ds_s, q, dk, is_async=True)
-        mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
-        dq0 = _dq_mma(k_bufs, ds_bufs, dslot, q0, HALF)
-        if NQ == 64:
-            dq1 = _dq_mma(k_bufs, ds_bufs, dslot, q0 + 32, HALF)
-            dk, dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq0, dq1))
-        else:
-            dk, dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq0))
-        mbarrier.arrive(empty.index(slot), count=1)
-        tma.store_wait(pendings=0)  # the previous step's reduces have read the staging tiles
-        gl.thread_barrier()
-        row = dq_tile + mb * HEAD_D + (HALF * 64 if HEAD_D == 128 else 0)
-        _dq_put(dq0, dq_stage.index(HALF * (NQ // 32)), dq_desc, row, q0, scale)
-        if NQ == 64:
-            _dq_put(dq1, dq_stage.index(HALF * 2 + 1), dq_desc, row, q0 + 32, scale)
-    else:
-        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        mbarrier.arrive(empty.index(slot), count=1)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+    mbarrier.arrive(empty.index(slot), count=1)
     return dk, dv
 
 
@@ -206,10 +157,10 @@ def _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, d
 def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c, mb, h, dk, dv, LSE2,
                DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0, shift, scale, scale2, MASKED: gl.constexpr,
                CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
-    """One 64-query block for one warpgroup's 64 keys with queries as rows (head dim 128, dQ fused), FA3's way:
-    S = Q Kᵀ and dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does;
-    P and dS go through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this
-    warpgroup adds its 64 head-dim columns of dQ = dS K (all 128 keys) by one TMA reduce."""
+    """One 64-query block for one warpgroup's 64 keys with queries as rows and dQ fused, FA3's way: S = Q Kᵀ and
+    dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does; P and dS go
+    through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this warpgroup adds its
+    share of dQ = dS K over all 128 keys by one TMA reduce: 64 head-dim columns at d128, dQᵀ of 32 queries at d64."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     k = k_bufs.index(HALF)
     HALF_N: gl.constexpr = k.type.shape[0]
@@ -248,15 +199,28 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
     mbarrier.arrive(ds_bar.index(dslot), count=1)
     dk = warpgroup_mma(ds_s.permute((1, 0)), q, dk, is_async=True)
     mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
-    dq = gl.zeros([BM, 64], gl.float32, layout=s_layout)
-    for j in gl.static_range(2):
-        dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j), k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq,
-                           use_acc=j > 0, is_async=True)
+    HEAD_D: gl.constexpr = k.type.shape[1]
+    if HEAD_D == 128:  # dQ's head-dim columns 64 HALF.. of these 64 queries, over all 128 keys
+        dq = gl.zeros([BM, 64], gl.float32, layout=s_layout)
+        for j in gl.static_range(2):
+            dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j), k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq,
+                               use_acc=j > 0, is_async=True)
+    else:  # dQᵀ = Kᵀ dSᵀ for queries 32 HALF.. (rows of dS: a K-major B, sliced without crossing a swizzle)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 32, 16])
+        dq = gl.zeros([HEAD_D, 32], gl.float32, layout=dq_layout)
+        for j in gl.static_range(2):
+            dq = warpgroup_mma(k_bufs.index(j).permute((1, 0)),
+                               ds_bufs.index(dslot * 2 + j).slice(HALF * 32, 32, dim=0).permute((1, 0)), dq,
+                               use_acc=j > 0, is_async=True)
     dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
     mbarrier.arrive(empty.index(slot), count=1)
     tma.store_wait(pendings=0)  # the previous step's reduce has read the staging tile
     gl.thread_barrier()
-    _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    if HEAD_D == 128:
+        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    else:
+        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * HEAD_D, HALF * 32, scale)
     return dk, dv
 
 
@@ -268,7 +232,6 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
     BM: gl.constexpr = q_bufs.type.shape[1]
-    ROWS: gl.constexpr = _rows(FUSED_DQ, HEAD_D, BM)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BM, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -286,8 +249,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
     c = gl.to_tensor(0)
     for g in range(group):
         h = hk * group + g
-        dq_tile = (b * n_heads_q + h) * n_mb * (BM if ROWS else HEAD_D)  # dQ buffer row of the head's block 0
-        if ROWS:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
+        dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 else HEAD_D)  # dQ buffer row, query block 0
+        if FUSED_DQ:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
             for mb in range(lo, hi):
                 dk, dv = _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, h, dk, dv, LSE2, DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0,
@@ -295,14 +258,12 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
                 c += 1
         else:
             for mb in range(lo, a):
-                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
-                               keys, LSE2, DELTA, dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift,
-                               scale, scale2, True, CAUSAL, STAGES, FUSED_DQ, HALF)
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2,
+                               DELTA, l_base, stride_lh, seqlen_q, shift, scale2, True, CAUSAL, STAGES, HALF)
                 c += 1
             for mb in range(a, hi):
-                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ds_bufs, ds_bar, ready, empty, c, mb, h, dk, dv, zero_s,
-                               keys, LSE2, DELTA, dq_desc, dq_stage, l_base, dq_tile, stride_lh, seqlen_q, shift,
-                               scale, scale2, False, CAUSAL, STAGES, FUSED_DQ, HALF)
+                dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2,
+                               DELTA, l_base, stride_lh, seqlen_q, shift, scale2, False, CAUSAL, STAGES, HALF)
                 c += 1
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
@@ -335,7 +296,6 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
-    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
@@ -354,17 +314,15 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     n_mb = gl.to_tensor(n_mb)
     n_heads_q = n_heads_k * group
-    ROWS: gl.constexpr = _rows(FUSED_DQ, HEAD_D, BM)
-    if ROWS:  # each warpgroup's P, and its fp32 64 x 64 dQ box
+    if FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (64 x 64 at d128, dQᵀ 64 x 32 at d64)
         p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BM, 64], dq_desc.layout)
-    elif FUSED_DQ:  # a 64 x 32 fp32 staging tile per dQᵀ box a warpgroup adds per step: BLOCK_M // 32 at d128, else 1
-        p_bufs = ds_bufs  # not used
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2 * (BM // 32 if HEAD_D == 128 else 1), 64, 32],
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BM, HALF], DS_SMEM)  # [slot * 2 + warpgroup]
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
                                              dq_desc.layout)
-    else:
-        p_bufs = ds_bufs  # not used
-        dq_stage = ds_bufs  # not used
+    else:  # not used
+        p_bufs = k_bufs
+        ds_bufs = k_bufs
+        dq_stage = k_bufs
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
                                      dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b,
                                      hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
@@ -395,16 +353,11 @@ def ds_layout(d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
 
 
-def rows_step(d: int, bm: int, fused_dq: bool) -> bool:
-    """The host's copy of the kernel's `_rows`: whether dQ is kept with queries as rows."""
-    return bool(fused_dq) and d == 128 and bm == 64
-
-
 def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
-    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. With queries as rows
-    (`rows_step`): (batch, heads, n_mb * bm, d), 64 x 64 boxes. Else dQᵀ tile by tile, (batch, heads, query blocks,
-    d, bm), 64 x 32 boxes, so that a warpgroup's box is 64 head-dim rows of 32 queries."""
-    if rows_step(d, bm, True):
+    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 queries as
+    rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 dQᵀ tile by tile, (batch, heads, query blocks, d, bm),
+    64 x 32 boxes (a warpgroup's share: 32 queries)."""
+    if d == 128:
         acc, box = torch.zeros(batch * hq * n_mb * bm, d, dtype=torch.float32, device=device), (64, 64)
     else:
         acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, 32)
@@ -418,7 +371,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     zeroed fp32 buffer (`dq_buffer`) that is then copied into `dq`. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
-    bm = BLOCK_M[d]
+    bm = BLOCK_M_FUSED if dq is not None else BLOCK_M[d]
     rows = smem_layout((HALF_N, d), q.dtype)
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
@@ -433,7 +386,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is None:
         return
-    if rows_step(d, bm, True):  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
+    if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
         dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
     else:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d)
         dq.copy_(dq_acc.view(batch, hq, n_mb, d, bm).permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
