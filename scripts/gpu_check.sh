@@ -57,7 +57,7 @@ if has sanitize; then
   timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
     python3 scripts/coop_sanitize.py >"$RES/sanitize-coop.log" 2>&1
   echo "cooperative rows memcheck rc=$?" | tee -a "$RES/sanitize.txt"
-  # the Gluon attention backward is off by default, so `check attention` does not reach it: its own case
+  # the Gluon attention backward's variants (Triton dQ, 64-query steps, d64), which `check attention` does not reach: its own case
   timeout "${SANITIZE_TIMEOUT:-600}" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
     python3 scripts/memcheck_attention_bwd.py >"$RES/sanitize-attention-bwd.log" 2>&1
   echo "attention backward (Gluon) memcheck rc=$?" | tee -a "$RES/sanitize.txt"

@@ -1,33 +1,32 @@
-"""Attention backward's dK / dV on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
+"""Attention backward on Hopper in Gluon: a producer warp and two consumer warpgroups, as the forward.
 
 A program owns 128 keys of one KV head. The producer warp copies the two 64-row halves of K and V once, then
-streams (query, dO) tiles of BLOCK_M[d] rows (64 at d64, 32 at d128) through a ring of STAGES slots with TMA:
-every query block of every query head of the GQA group that the mask lets see these keys. Each consumer
-warpgroup owns 64 of the keys and, per query block, runs on wgmma:
+streams (query, dO) tiles through a ring of STAGES slots with TMA: every query block of every query head of the
+GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys. Two steps:
 
-    Sᵀ  = K Qᵀ                 (64 keys x BLOCK_M queries; both operands in shared memory)
-    Pᵀ  = exp2(Sᵀ·scale2 - lse2)   (lse2: the forward's lse in base 2, +inf for rows that saw no key)
-    dV += Pᵀ dO                (Pᵀ from registers)
-    dPᵀ = V dOᵀ
-    dSᵀ = Pᵀ (dPᵀ - delta)     (delta = rowsum(O dO), from the Triton preprocess kernel)
-    dK += dSᵀ Q                (dSᵀ from registers)
+**dQ fused** (`dkdv_hopper(..., dq=...)`, `_step_rows`; the default at head dim 128, `backward.GLUON_FUSED_DQ`),
+FA3's way, 64 queries a step, queries as rows:
 
-then releases the slot. dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA
-stores.
+    S  = Q Kᵀ,  P = exp2(S·scale2 - lse2)     (64 x 64; lse2 and delta: 2 registers a thread)
+    dP = dO Vᵀ, dS = P (dP - delta)
+    dV += Pᵀ dO,  dK += dSᵀ Q                 (P and dS through shared memory, read transposed)
+    dQ += dS K                                (both warpgroups' dS: an mbarrier; each takes half of dQ)
 
-dQ comes from the Triton dQ kernel (`backward.attn_bwd_dq_kernel`), which recomputes P and dP per query block and
-owns its rows: no atomics, bitwise reproducible. With `backward.GLUON_FUSED_DQ` (off) `dkdv_hopper(..., dq=...)`
-computes dQ here instead, FA3's way: each warpgroup writes its dSᵀ to shared memory (two slots); once both
-halves are there (an mbarrier), each computes half of dQᵀ = Kᵀ dSᵀ over all 128 keys on wgmma (head-dim rows
-64 HALF.. at d128, query columns 32 HALF.. at d64) and adds it into a zeroed fp32 buffer with `red.global.add.v2.f32` (Gluon on
-Triton 3.6 has no TMA reduce). The buffer holds dQᵀ tile by tile, so inside a tile every address offset is a
-constant; one copy casts it into dq at the end.
+Each warpgroup's share of dQ (64 head-dim columns at d128; dQᵀ of 32 queries at d64) goes through a shared fp32
+staging tile and one TMA reduce-add (`runtime.gluon.tma_reduce_add`; Gluon on Triton 3.6 has the op in its
+builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into dq at the end. Not deterministic
+(the order of the adds): `deterministic=True` takes the other step.
 
-Off by default (`KERNELKIT_ATTENTION_GLUON_BWD=1` turns it on). H100, stop 42's 14-row table (docs/ops/attention.md):
-with the Triton dQ kernel 0.95-1.24x the all-Triton backward (faster on 10 rows), still 0.56-0.95x cuDNN; with dQ
-fused 0.81-0.95x of that. Measured slower and removed (stop 42, 0.78-0.99x): a software-pipelined step loop (the
-next block's Sᵀ issued behind dV / dPᵀ, its softmax under dK / dQ) with lse / delta staged in shared memory by the
-producer.
+**dQ from the Triton dQ kernel** (`_step`, keys as rows, BLOCK_M[d] queries: 64 at d64, 32 at d128): Sᵀ = K Qᵀ,
+Pᵀ and dSᵀ stay in registers as the A operands of dV += Pᵀ dO and dK += dSᵀ Q; `backward.attn_bwd_dq_kernel`
+recomputes P and dP per query block and owns its rows: bitwise reproducible.
+
+dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA stores.
+
+H100, stop 43 (docs/ops/attention.md): dQ fused is 1.06-1.31x the all-Triton backward at d128 on 7 of 8 rows
+(0.77-1.04x cuDNN), 0.75-1.05x at d64, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`). The same
+fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
+backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -49,8 +48,8 @@ from . import hopper as _fwd
 
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N
-# Queries per step, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a thread, and the 64 x 64 score
-# tiles); at d64 the accumulators are half that.
+# Queries per step with the Triton dQ kernel, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a
+# thread, and the 64 x 64 score tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
 BLOCK_M_FUSED = 64  # with dQ fused (`_step_rows`), every head dim
 STAGES = 2
@@ -283,9 +282,9 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
-    that of a warpgroup's dSᵀ tile (64 keys x BLOCK_M queries). FUSED_DQ: dQ too, added by TMA reduces through
-    dq_desc into a zeroed fp32 buffer of dQᵀ tiles, (batch, heads, query blocks, head_dim, BLOCK_M) viewed as
-    (rows, BLOCK_M) with (64, 32) boxes; else the caller runs the Triton dQ kernel and dq_desc is not used."""
+    that of a warpgroup's P and dS tiles (64 x 64). FUSED_DQ: dQ too (`_step_rows`, 64-query blocks), added by TMA
+    reduces through dq_desc into the fp32 buffer of `dq_buffer`; else the caller runs the Triton dQ kernel and
+    dq_desc is not read."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -348,8 +347,8 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
 
 
 def ds_layout(d: int, dtype: torch.dtype):
-    """Shared layout of a warpgroup's dSᵀ tile (64 keys x BLOCK_M[d] queries). dQ reads it in 32-query columns
-    (64 bytes), so the swizzle is 64 bytes wide and every such column starts on a swizzle atom."""
+    """Shared layout of a warpgroup's P and dS tiles (64 queries x 64 keys), read as they are and transposed by
+    wgmma; 64-byte swizzle."""
     return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
 
 
