@@ -43,8 +43,8 @@ SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
 # The backward through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call:
 # KERNELKIT_ATTENTION_GLUON_BWD `auto` (GLUON = "auto": at the head dims of GLUON_AUTO_HEAD_DIMS), `1` (True: every
-# head dim it supports), `0` (False: the Triton kernels). H100, stop 43: 1.06-1.31x the Triton backward at d128 on 7
-# of 8 rows, 0.75-1.05x at d64 (docs/ops/attention.md).
+# head dim it supports), `0` (False: the Triton kernels). H100, stop 43: 1.06-1.32x the Triton backward at d128 from 4k
+# tokens (0.90-1.40x at 1k), 0.75-1.05x at d64 (docs/ops/attention.md).
 GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENTION_GLUON_BWD")]
 GLUON_AUTO_HEAD_DIMS = (128,)
 # ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ

@@ -23,8 +23,8 @@ recomputes P and dP per query block and owns its rows: bitwise reproducible.
 
 dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA stores.
 
-H100, stop 43 (docs/ops/attention.md): dQ fused is 1.06-1.31x the all-Triton backward at d128 on 7 of 8 rows
-(0.77-1.04x cuDNN), 0.75-1.05x at d64, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`). The same
+H100, stop 43 (docs/ops/attention.md): dQ fused is 1.06-1.32x the all-Triton backward at d128 from 4k tokens
+(0.90-1.40x at 1k; 0.77-1.03x cuDNN), 0.75-1.05x at d64, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`). The same
 fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
 backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
 
