@@ -30,7 +30,7 @@ from kernelkit.testing.bench import kernel_time_ms
 
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
-                   bm128=hopper_bwd.BLOCK_M[128])
+                   bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64])
 
 
 def _bwd_state(**over) -> None:
@@ -40,6 +40,7 @@ def _bwd_state(**over) -> None:
     st = {**SHIPPED_BWD, **{k: v for k, v in over.items() if v is not None}}
     bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.STAGES = st["gluon"], st["fused"], st["stages"]
     hopper_bwd.BLOCK_M[128] = st["bm128"]
+    hopper_bwd.BLOCK_M_FUSED[64] = st["fused_bm64"]
 
 
 def rows():
@@ -79,12 +80,12 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None):
+def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None):
     """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
     the Triton dQ kernel, `stages` (Q, dO) ring slots and `bm128` queries a step at d128."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        _bwd_state(gluon=True, fused=fused_dq, stages=stages, bm128=bm128)
+        _bwd_state(gluon=True, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -149,7 +150,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
     if bwd_variants:
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
-                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3)})
+                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

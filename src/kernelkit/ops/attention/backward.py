@@ -42,11 +42,21 @@ ATOMIC_DQ = True
 SEPARATE_DQ_MIN_HEAD_DIM, SEPARATE_DQ_MIN_SEQ_K = 128, 1024
 POS_INF = tl.constexpr(float("inf"))
 # The backward through the Gluon producer/consumer kernel (hopper_bwd.py) where it takes the call:
-# KERNELKIT_ATTENTION_GLUON_BWD `auto` (GLUON = "auto": at the head dims of GLUON_AUTO_HEAD_DIMS), `1` (True: every
-# head dim it supports), `0` (False: the Triton kernels). H100, stop 43: 1.06-1.32x the Triton backward at d128 from 4k
-# tokens (0.90-1.40x at 1k), 0.75-1.05x at d64 (docs/ops/attention.md).
+# KERNELKIT_ATTENTION_GLUON_BWD `auto` (GLUON = "auto": where `gluon_auto` says), `1` (True: every call it supports),
+# `0` (False: the Triton kernels).
 GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENTION_GLUON_BWD")]
+# Where "auto" takes it, from stop 43's H100 tables (docs/ops/attention.md): every call at head dim 128 (1.06-1.32x
+# the Triton backward from 4k tokens, 0.90-1.40x at 1k); at 64 without the causal mask from this many queries and keys
+# (1.08-1.16x at 4k-16k, 0.91x at 1k; causal 0.83-0.91x).
 GLUON_AUTO_HEAD_DIMS = (128,)
+GLUON_AUTO_D64_MIN_SEQ = 4096
+
+
+def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int) -> bool:
+    """Whether KERNELKIT_ATTENTION_GLUON_BWD=auto sends this backward to the Gluon kernel (it must also support it)."""
+    if d in GLUON_AUTO_HEAD_DIMS:
+        return True
+    return d == 64 and not causal and min(seq_q, seq_k) >= GLUON_AUTO_D64_MIN_SEQ
 # ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ
 # kernel, which owns its rows).
 GLUON_FUSED_DQ = True
@@ -321,7 +331,7 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
            *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
-    gluon = ((GLUON is True or (GLUON == "auto" and d in GLUON_AUTO_HEAD_DIMS)) and _hopper_bwd is not None
+    gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k))) and _hopper_bwd is not None
              and not interpreting()
              and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
     tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)

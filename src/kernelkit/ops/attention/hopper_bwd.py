@@ -4,15 +4,15 @@ A program owns 128 keys of one KV head. The producer warp copies the two 64-row 
 streams (query, dO) tiles through a ring of STAGES slots with TMA: every query block of every query head of the
 GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys. Two steps:
 
-**dQ fused** (`dkdv_hopper(..., dq=...)`, `_step_rows`; the default at head dim 128, `backward.GLUON_FUSED_DQ`),
-FA3's way, 64 queries a step, queries as rows:
+**dQ fused** (`dkdv_hopper(..., dq=...)`, `_step_rows`; `backward.GLUON_FUSED_DQ`, where `backward.gluon_auto`
+sends the call), FA3's way, queries as rows, BLOCK_M_FUSED[d] queries a step (64 at d128, 128 at d64):
 
-    S  = Q Kᵀ,  P = exp2(S·scale2 - lse2)     (64 x 64; lse2 and delta: 2 registers a thread)
+    S  = Q Kᵀ,  P = exp2(S·scale2 - lse2)     (lse2 and delta: 2 or 4 registers a thread)
     dP = dO Vᵀ, dS = P (dP - delta)
     dV += Pᵀ dO,  dK += dSᵀ Q                 (P and dS through shared memory, read transposed)
     dQ += dS K                                (both warpgroups' dS: an mbarrier; each takes half of dQ)
 
-Each warpgroup's share of dQ (64 head-dim columns at d128; dQᵀ of 32 queries at d64) goes through a shared fp32
+Each warpgroup's share of dQ (64 head-dim columns at d128; dQᵀ of half the queries at d64) goes through a shared fp32
 staging tile and one TMA reduce-add (`runtime.gluon.tma_reduce_add`; Gluon on Triton 3.6 has the op in its
 builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into dq at the end. Not deterministic
 (the order of the adds): `deterministic=True` takes the other step.
@@ -24,7 +24,8 @@ recomputes P and dP per query block and owns its rows: bitwise reproducible.
 dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA stores.
 
 H100, stop 43 (docs/ops/attention.md): dQ fused is 1.06-1.32x the all-Triton backward at d128 from 4k tokens
-(0.90-1.40x at 1k; 0.77-1.03x cuDNN), 0.75-1.05x at d64, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`). The same
+(0.90-1.40x at 1k; 0.77-1.03x cuDNN); at d64 1.08-1.16x without the causal mask at 4k-16k, 0.83-0.91x with it and
+at 1k, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`, `backward.gluon_auto`). The same
 fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
 backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
 
@@ -51,7 +52,7 @@ BLOCK_N = 2 * HALF_N
 # Queries per step with the Triton dQ kernel, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a
 # thread, and the 64 x 64 score tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
-BLOCK_M_FUSED = 64  # with dQ fused (`_step_rows`), every head dim
+BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
@@ -159,7 +160,8 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
     """One 64-query block for one warpgroup's 64 keys with queries as rows and dQ fused, FA3's way: S = Q Kᵀ and
     dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does; P and dS go
     through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this warpgroup adds its
-    share of dQ = dS K over all 128 keys by one TMA reduce: 64 head-dim columns at d128, dQᵀ of 32 queries at d64."""
+    share of dQ = dS K over all 128 keys by one TMA reduce: 64 head-dim columns at d128, dQᵀ of half the queries
+    at d64."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     k = k_bufs.index(HALF)
     HALF_N: gl.constexpr = k.type.shape[0]
@@ -204,13 +206,14 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
         for j in gl.static_range(2):
             dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j), k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq,
                                use_acc=j > 0, is_async=True)
-    else:  # dQᵀ = Kᵀ dSᵀ for queries 32 HALF.. (rows of dS: a K-major B, sliced without crossing a swizzle)
+    else:  # dQᵀ = Kᵀ dSᵀ for queries NQ HALF.. (rows of dS: a K-major B, sliced without crossing a swizzle)
+        NQ: gl.constexpr = BM // 2
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 32, 16])
-        dq = gl.zeros([HEAD_D, 32], gl.float32, layout=dq_layout)
+                                                            instr_shape=[16, NQ, 16])
+        dq = gl.zeros([HEAD_D, NQ], gl.float32, layout=dq_layout)
         for j in gl.static_range(2):
             dq = warpgroup_mma(k_bufs.index(j).permute((1, 0)),
-                               ds_bufs.index(dslot * 2 + j).slice(HALF * 32, 32, dim=0).permute((1, 0)), dq,
+                               ds_bufs.index(dslot * 2 + j).slice(HALF * NQ, NQ, dim=0).permute((1, 0)), dq,
                                use_acc=j > 0, is_async=True)
     dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
     mbarrier.arrive(empty.index(slot), count=1)
@@ -219,7 +222,7 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
     if HEAD_D == 128:
         _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
     else:
-        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * HEAD_D, HALF * 32, scale)
+        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * HEAD_D, HALF * (BM // 2), scale)
     return dk, dv
 
 
@@ -355,11 +358,11 @@ def ds_layout(d: int, dtype: torch.dtype):
 def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
     """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 queries as
     rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 dQᵀ tile by tile, (batch, heads, query blocks, d, bm),
-    64 x 32 boxes (a warpgroup's share: 32 queries)."""
+    64 x bm/2 boxes (a warpgroup's share: half the queries)."""
     if d == 128:
         acc, box = torch.zeros(batch * hq * n_mb * bm, d, dtype=torch.float32, device=device), (64, 64)
     else:
-        acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, 32)
+        acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, bm // 2)
     return acc, TensorDescriptor(acc, list(acc.shape), [acc.shape[1], 1], list(box), smem_layout(box, torch.float32))
 
 
@@ -370,7 +373,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     zeroed fp32 buffer (`dq_buffer`) that is then copied into `dq`. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
-    bm = BLOCK_M_FUSED if dq is not None else BLOCK_M[d]
+    bm = BLOCK_M_FUSED[d] if dq is not None else BLOCK_M[d]
     rows = smem_layout((HALF_N, d), q.dtype)
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
