@@ -9,10 +9,11 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
     python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--kernel-time] [--rows "d128 s4096,..."]
         [--bwd-variants] [--only cudnn,kernelkit,kk-bwd-gluon,...]
 
-`--bwd-variants` adds the Gluon backward (`kk-bwd-gluon`: its dK / dV kernel and the Triton dQ kernel;
-`kk-bwd-fused`: dQ fused; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128, which
-spill 68 bytes, 288 causal, on ptxas of Triton 3.6: not measured yet). Every kernelkit implementation sets all the backward's
-switches on each call and leaves them set, so the backward timed after it is its own.
+`--bwd-variants` adds the Gluon backward forced on at both head dims (`kk-bwd-gluon`: its dK / dV kernel and the
+Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
+fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
+`kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128). Every kernelkit implementation sets all the
+backward's switches on each call and leaves them set, so the backward timed after it is its own.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def _kk(gluon: bool | None):
 
 
 def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None):
-    """kernelkit as shipped forward, the Gluon dK / dV kernel forced in the backward, with dQ fused (atomics) or from
-    the Triton dQ kernel, `stages` (Q, dO) ring slots and `bm128` queries a step at d128."""
+    """kernelkit as shipped forward, the Gluon kernel forced in the backward, with dQ fused (TMA reduces) or from
+    the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128 (Triton dQ) and `fused_bm64`
+    at d64 (dQ fused)."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
         _bwd_state(gluon=True, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64)
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
                     help="also each call's kernels' device time alone (torch.profiler; host time excluded)")
     ap.add_argument("--consumers", default="", help="also the Gluon forward with these consumer counts at d64 (2,3)")
     ap.add_argument("--bwd-variants", action="store_true",
-                    help="also the Gluon dK / dV kernel with dQ fused (atomics) and with the Triton dQ kernel")
+                    help="also the Gluon backward with dQ fused (TMA reduces) and with the Triton dQ kernel, and their knobs")
     ap.add_argument("--only", default="", help="comma-separated implementations to time (default: all)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)

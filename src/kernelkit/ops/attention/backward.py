@@ -50,6 +50,9 @@ GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENT
 # (1.08-1.16x at 4k-16k, 0.91x at 1k; causal 0.83-0.91x).
 GLUON_AUTO_HEAD_DIMS = (128,)
 GLUON_AUTO_D64_MIN_SEQ = 4096
+# ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ
+# kernel, which owns its rows).
+GLUON_FUSED_DQ = True
 
 
 def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int) -> bool:
@@ -57,9 +60,6 @@ def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int) -> bool:
     if d in GLUON_AUTO_HEAD_DIMS:
         return True
     return d == 64 and not causal and min(seq_q, seq_k) >= GLUON_AUTO_D64_MIN_SEQ
-# ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ
-# kernel, which owns its rows).
-GLUON_FUSED_DQ = True
 
 
 @triton.jit

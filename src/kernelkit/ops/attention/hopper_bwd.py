@@ -40,7 +40,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import launch
@@ -227,9 +226,9 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2, DELTA,
-              dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale,
-              scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
+              DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b, hk, n0, group, seqlen_q, seqlen_k,
+              scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
@@ -285,9 +284,9 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
-    that of a warpgroup's P and dS tiles (64 x 64). FUSED_DQ: dQ too (`_step_rows`, 64-query blocks), added by TMA
-    reduces through dq_desc into the fp32 buffer of `dq_buffer`; else the caller runs the Triton dQ kernel and
-    dq_desc is not read."""
+    that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too (`_step_rows`, BLOCK_M_FUSED
+    queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`; else the caller runs the
+    Triton dQ kernel and dq_desc is not read."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -316,7 +315,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     n_mb = gl.to_tensor(n_mb)
     n_heads_q = n_heads_k * group
-    if FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (64 x 64 at d128, dQᵀ 64 x 32 at d64)
+    if FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (dQ at d128, dQᵀ at d64: 64 x 64)
         p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BM, HALF], DS_SMEM)  # [slot * 2 + warpgroup]
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
@@ -325,14 +324,14 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
         p_bufs = k_bufs
         ds_bufs = k_bufs
         dq_stage = k_bufs
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b,
-                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
-                                     dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b,
-                                     hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     1)),
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
+                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q,
+                                     n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES,
+                                     FUSED_DQ, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
+                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q,
+                                     n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES,
+                                     FUSED_DQ, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
