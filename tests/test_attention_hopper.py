@@ -357,7 +357,7 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             stride_lh=lse.stride(1), n_mb=n_mb, seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1,
             scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.ds_layout(d, torch.bfloat16), FUSED_DQ=fused,
+             DS_SMEM=B.DS_SMEM, FUSED_DQ=fused,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
 print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"]}))

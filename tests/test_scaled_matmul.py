@@ -406,11 +406,12 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernelkit.ops.gemm import precise as P
+from kernelkit.runtime.gluon import GL_DTYPES
 from kernelkit.testing.compile_check import compile_gluon
 out_dtype, a_group, b_group, k_blocked = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 m, n, k = 256, 256, 512
 def desc(t, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, P._GL_DTYPES[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 args = {"a_desc": desc(torch.empty(m, k, dtype=torch.float8_e4m3fn), [P.BLOCK_M // 2, P.BLOCK_K]),
         "b_desc": desc(torch.empty(n, k, dtype=torch.float8_e5m2), [P.BLOCK_N, P.BLOCK_K]),

@@ -334,6 +334,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k))) and _hopper_bwd is not None
              and not interpreting()
              and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
+    if gluon and GLUON_FUSED_DQ and not deterministic:  # dQ in the same kernel: none of the Triton setup below
+        dq = empty(q.shape, dtype=q.dtype, device=q.device)
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
+        return dq, dk, dv
     tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)
     separate_faster = gluon or (d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K)
     # Head dims over 128 never take the atomic path: its dq reduce hit an illegal address on the H100 at
@@ -350,12 +354,8 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     dq_strides = row_strides(dq_acc, varlen) if atomic else (0, 0, 0)
     grid = lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * hk)  # noqa: E731
     key = (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), atomic, hq // hk, q.dtype)
-    if gluon:
-        fused = GLUON_FUSED_DQ and not deterministic
-        dq = empty(q.shape, dtype=q.dtype, device=q.device) if fused else None
-        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
-        if fused:
-            return dq, dk, dv
+    if gluon:  # dK / dV only: dQ from the Triton dQ kernel below
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale)
     else:
         launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
                *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),

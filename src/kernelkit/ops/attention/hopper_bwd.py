@@ -55,6 +55,9 @@ BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 POS_INF = gl.constexpr(float("inf"))
+# Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
+# a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
+DS_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
 
 
 @gluon.jit
@@ -348,12 +351,6 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
     return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
 
 
-def ds_layout(d: int, dtype: torch.dtype):
-    """Shared layout of a warpgroup's P and dS tiles (64 queries x 64 keys), read as they are and transposed by
-    wgmma; 64-byte swizzle."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-
-
 def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
     """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 queries as
     rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 dQᵀ tile by tile, (batch, heads, query blocks, d, bm),
@@ -383,7 +380,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(q, bm), _fwd._desc(do, bm), k_desc, _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
-        CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=ds_layout(d, q.dtype),
+        CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
         FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is None:
         return

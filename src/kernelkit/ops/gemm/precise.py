@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import launch
-from ...runtime.gluon import GL_DTYPES, smem_layout
+from ...runtime.gluon import smem_layout
 from .tiles import grouped_tile_gluon, ws_ring, ws_ring_invalidate
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128  # 128 of K: one promotion per K tile, DeepSeek-V3's interval
@@ -45,7 +45,6 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24  # per thread, after setmaxnreg: 2 x 128 
 STAGES = 5  # 32 KiB of a and b per stage (+ 32-64 KiB of C tiles: 5 fit in 227 KiB); on the H100 at 4096^3,
 # 3 / 4 / 5 stages gave 1097 / 1206 / 1239 TFLOP/s (benchmarks/experiments/h100/scaled_matmul/fp8_gluon_ws.json)
 GROUP_M = 8
-_GL_DTYPES = GL_DTYPES  # torch dtype -> Gluon dtype (runtime/gluon.py)
 
 
 @gluon.jit
