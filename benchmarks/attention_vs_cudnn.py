@@ -12,7 +12,9 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
 `--bwd-variants` adds the Gluon backward forced on at both head dims (`kk-bwd-gluon`: its dK / dV kernel and the
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
 fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
-`kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128). Every kernelkit implementation sets all the
+`kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
+blocks in launch order, not `hopper_bwd.LONGEST_FIRST`). Rows `eager` (SDPA with its own backend choice, as a model
+calls it) and, with `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
 backward's switches on each call and leaves them set, so the backward timed after it is its own.
 """
 
@@ -26,12 +28,14 @@ import time
 import torch
 import triton
 
+from kernelkit.ops import registry
 from kernelkit.ops.attention import attention, backward as bwd_mod, cost, forward as fwd_mod, hopper_bwd
 from kernelkit.testing.bench import kernel_time_ms
 
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
-                   bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64])
+                   bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64],
+                   longest_first=hopper_bwd.LONGEST_FIRST)
 
 
 def _bwd_state(**over) -> None:
@@ -42,6 +46,7 @@ def _bwd_state(**over) -> None:
     bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.STAGES = st["gluon"], st["fused"], st["stages"]
     hopper_bwd.BLOCK_M[128] = st["bm128"]
     hopper_bwd.BLOCK_M_FUSED[64] = st["fused_bm64"]
+    hopper_bwd.LONGEST_FIRST = st["longest_first"]
 
 
 def rows():
@@ -81,13 +86,15 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None):
-    """kernelkit as shipped forward, the Gluon kernel forced in the backward, with dQ fused (TMA reduces) or from
-    the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128 (Triton dQ) and `fused_bm64`
-    at d64 (dQ fused)."""
+def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None,
+            longest_first: bool | None = None, gluon: bool | str = True):
+    """kernelkit as shipped forward, the Gluon kernel forced in the backward (or `gluon` as the switch takes it), with
+    dQ fused (TMA reduces) or from the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128
+    (Triton dQ), `fused_bm64` at d64 (dQ fused), and causal key blocks longest first or in launch order."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        _bwd_state(gluon=True, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64)
+        _bwd_state(gluon=gluon, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64,
+                   longest_first=longest_first)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -126,6 +133,11 @@ def _kk_variant(stages: int | None = None, persistent: bool | None = None, overl
     return run
 
 
+def _plain(fn):
+    """An op-spec row (q, k, v, causal=...) as this script's (q, k, v, causal)."""
+    return lambda q, k, v, causal: fn(q, k, v, causal=causal)
+
+
 def _fa4():
     from flash_attn.cute import flash_attn_func  # noqa: F401 - FlashAttention-4 (CuTe DSL)
 
@@ -135,12 +147,16 @@ def _fa4():
     return run
 
 
-def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=False) -> dict:
+def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=False, flex=False) -> dict:
     from torch.nn.attention import SDPBackend
 
+    spec = registry.get("attention")
     got = {"kk-gluon": _kk(True), "kk-triton": _kk(False), "kernelkit": _kk(None),
            "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-           "fa2": _sdpa(SDPBackend.FLASH_ATTENTION)}
+           "fa2": _sdpa(SDPBackend.FLASH_ATTENTION),
+           "eager": _plain(spec.eager)}  # torch eager: SDPA as a model calls it, its own backend choice
+    if flex:  # torch.compile: FlexAttention, compiled once per shape (tens of seconds each)
+        got["flex"] = _plain(spec.competitors["flex"]())
     got.update({f"kk-gluon-s{n}": _kk_variant(stages=n) for n in stages})
     if variants:
         got.update({"kk-gluon-grid": _kk_variant(persistent=False), "kk-gluon-overlap": _kk_variant(overlap=True),
@@ -152,7 +168,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
     if bwd_variants:
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
-                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64)})
+                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64),
+                    "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -214,11 +231,12 @@ def main(argv=None) -> int:
     ap.add_argument("--consumers", default="", help="also the Gluon forward with these consumer counts at d64 (2,3)")
     ap.add_argument("--bwd-variants", action="store_true",
                     help="also the Gluon backward with dQ fused (TMA reduces) and with the Triton dQ kernel, and their knobs")
+    ap.add_argument("--flex", action="store_true", help="also FlexAttention under torch.compile (slow to compile)")
     ap.add_argument("--only", default="", help="comma-separated implementations to time (default: all)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
     fns = impls(not a.no_fa4, [int(n) for n in a.stages.split(",") if n], a.variants,
-                [int(n) for n in a.consumers.split(",") if n], a.bwd_variants)
+                [int(n) for n in a.consumers.split(",") if n], a.bwd_variants, a.flex)
     if a.only:
         fns = {n: f for n, f in fns.items() if n in a.only.split(",")}
     todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]

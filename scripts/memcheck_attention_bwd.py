@@ -20,8 +20,9 @@ def grads(q, k, v, do, causal, gluon, fused=False):
 
 
 bad = False
+# the last: 16 key blocks x 16 heads, causal: `LONGEST_FIRST` walks two groups of 8 heads
 for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200, 333, 4, 1, 64, True),
-                                       (2, 257, 129, 6, 3, 64, False)]:
+                                       (2, 257, 129, 6, 3, 64, False), (2, 2048, 2048, 8, 8, 128, True)]:
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)

@@ -404,3 +404,30 @@ def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, bm128, monkey
     monkeypatch.setattr(hopper_bwd, "dkdv_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     _check(*_qkv(b, sq, sk, hq, hk, d, dtype), causal=causal).raise_if_failed()
     assert calls, "the Gluon dK / dV kernel did not run"
+
+
+@pytest.mark.parametrize("n_kv,n_bh,sms,want", [(8, 256, 132, 16), (8, 256, 128, 16), (32, 32, 132, 4),
+                                                (128, 16, 132, 2), (3, 7, 132, 7), (40, 7, 132, 7), (32, 31, 132, 1),
+                                                (200, 6, 132, 1), (10, 12, 20, 2), (10, 12, 25, 3), (8, 12, 20, 3)])
+def test_longest_first_groups_are_whole_and_about_one_wave(n_kv, n_bh, sms, want):
+    # the group: the divisor of the heads nearest ceil(sms / key blocks) by ratio (every group whole, so the grid
+    # (group, key blocks, n_bh / group) covers each (key block, head) once)
+    g = hopper_bwd.heads_per_group(n_kv, n_bh, sms)
+    assert g == want and n_bh % g == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("fused_dq", [True, False], ids=["dq-fused", "dq-triton"])
+@pytest.mark.parametrize("sms", [20, 1000])
+def test_gpu_gluon_backward_longest_first_covers_every_block(fused_dq, sms, monkeypatch):
+    # causal key blocks longest first, heads in groups: 2 x 4 heads, 8 key blocks of 128 -> groups of 4 (sms 20:
+    # two groups) or of all 8 (one); a block walked twice or never gives wrong dK / dV
+    from kernelkit.ops.attention import backward as bwd_mod
+
+    monkeypatch.setattr(bwd_mod, "GLUON", True)
+    monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)
+    monkeypatch.setattr(hopper_bwd, "LONGEST_FIRST", True)
+    monkeypatch.setattr(hopper_bwd, "num_sms", lambda device: sms)
+    assert hopper_bwd.heads_per_group(8, 8, sms) == (4 if sms == 20 else 8)
+    _check(*_qkv(2, 1000, 1000, 4, 4, 128, torch.bfloat16), causal=True).raise_if_failed()

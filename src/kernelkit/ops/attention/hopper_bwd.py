@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...runtime import launch
+from ...runtime import launch, num_sms
 from ...runtime.gluon import smem_layout, tma_reduce_add
 from . import hopper as _fwd
 
@@ -54,6 +54,11 @@ BLOCK_M = {64: 64, 128: 32}
 BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
+# With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
+# so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
+# tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
+# K / V, Q and dO in L2) and, within a group, key block 0 of every head first (`_kv_block`).
+LONGEST_FIRST = True
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
@@ -76,10 +81,22 @@ def _q_range(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, b, hk, n0,
+def _kv_block():
+    """(key block, batch x KV head) of this program. The grid is (heads per group, key blocks, groups): in launch order
+    a group's programs key block by key block, block 0 of each of its heads first (`LONGEST_FIRST`); a group of 1 is
+    head by head, the key blocks in order. From program ids alone, so each partition recomputes it for free."""
+    return gl.program_id(1), gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, n_heads_k,
               group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
+    kv, bh = _kv_block()
+    n0 = kv * (2 * HALF)
+    b = bh // n_heads_k
+    hk = bh % n_heads_k
     BM: gl.constexpr = q_desc.block_type.shape[2]
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
@@ -230,10 +247,17 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
 
 @gluon.jit
 def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
-              DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q, n_mb, b, hk, n0, group, seqlen_q, seqlen_k,
-              scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, HALF: gl.constexpr):
-    """One warpgroup: keys [n0 + 64 HALF, +64); dK and dV accumulate over every query block of the group."""
+              DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
+              scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
+              HALF: gl.constexpr):
+    """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
+    query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
+    kv, bh = _kv_block()  # here, not passed in: fewer values live across the partitions
+    n0 = kv * (2 * HALF_N)
+    b = bh // n_heads_k
+    hk = bh % n_heads_k
+    n_heads_q = n_heads_k * group
     HEAD_D: gl.constexpr = k_bufs.type.shape[2]
     BM: gl.constexpr = q_bufs.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -286,16 +310,13 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
-    """Grid (key blocks of 128, batch x KV heads). ROWS_SMEM: the 2-D shared layout of every 64-row box; DS_SMEM:
-    that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too (`_step_rows`, BLOCK_M_FUSED
+    """Grid (heads per group, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D shared
+    layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too (`_step_rows`, BLOCK_M_FUSED
     queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`; else the caller runs the
     Triton dQ kernel and dq_desc is not read."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
-    n0 = gl.program_id(0) * (2 * HALF)
-    b = gl.program_id(1) // n_heads_k
-    hk = gl.program_id(1) % n_heads_k
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
@@ -317,7 +338,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
     n_mb = gl.to_tensor(n_mb)
-    n_heads_q = n_heads_k * group
+    n_heads_k = gl.to_tensor(n_heads_k)
     if FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (dQ at d128, dQᵀ at d64: 64 x 64)
         p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BM, HALF], DS_SMEM)  # [slot * 2 + warpgroup]
@@ -328,15 +349,13 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
         ds_bufs = k_bufs
         dq_stage = k_bufs
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
-                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q,
-                                     n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES,
-                                     FUSED_DQ, 0)),
+                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, 0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
-                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_q,
-                                     n_mb, b, hk, n0, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES,
-                                     FUSED_DQ, 1)),
+                                     dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
-                                     empty, b, hk, n0, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+                                     empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
@@ -349,6 +368,15 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
 def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool) -> bool:
     """The forward's scope, and dO, dK, dV that TMA can address."""
     return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
+
+
+def heads_per_group(n_kv: int, n_bh: int, sms: int) -> int:
+    """`LONGEST_FIRST`'s group: about as many heads as run at once head by head (ceil(sms / n_kv)), made a divisor of
+    n_bh so that every group is whole (the nearest by ratio, the larger on a tie; all heads when fewer)."""
+    want = -(-sms // n_kv)
+    if want >= n_bh:
+        return n_bh
+    return min((g for g in range(1, n_bh + 1) if n_bh % g == 0), key=lambda g: (max(g / want, want / g), -g))
 
 
 def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
@@ -374,9 +402,10 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
     dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device) if dq is not None else (None, k_desc)
-    grid = (-(-seq_k // BLOCK_N), batch * hk)
+    n_kv, n_bh = -(-seq_k // BLOCK_N), batch * hk
+    per_group = heads_per_group(n_kv, n_bh, num_sms(q.device)) if causal and LONGEST_FIRST else 1
     launch(  # through runtime.launch, as the forward
-        attn_bwd_dkdv_hopper_kernel, grid, None,
+        attn_bwd_dkdv_hopper_kernel, (per_group, n_kv, n_bh // per_group), None,
         _fwd._desc(q, bm), _fwd._desc(do, bm), k_desc, _fwd._desc(v, HALF_N),
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
