@@ -16,7 +16,7 @@ if [ "${MEMCHECK:-1}" = 1 ]; then
   tail -3 "$R/memcheck-attention-bwd.txt"
 fi
 if [ -n "${BENCH_ARGS:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/attention_vs_cudnn.py --out "$R/bench.json" $BENCH_ARGS 2>&1 | grep -v Warning | tee "$R/bench.txt"
+  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/attention_vs_cudnn.py --out "$R/bench.json" $BENCH_ARGS ${BENCH_ROWS:+--rows "$BENCH_ROWS"} 2>&1 | grep -v Warning | tee "$R/bench.txt"
   echo "bench done ($(( $(date +%s) - t0 ))s)" | tee -a "$R/summary.txt"
 fi
 tar -czf "$OUT/attention.tar.gz" -C "$OUT" r

@@ -35,6 +35,8 @@ sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -370,6 +372,7 @@ def supports(q, k, v, o, do, dk, dv, causal: bool, window, softcap, varlen: bool
     return _fwd.supports(q, k, v, o, causal, window, softcap, varlen) and all(_fwd._tma_ok(t) for t in (do, dk, dv))
 
 
+@functools.lru_cache(maxsize=256)  # a loop over n_bh: host time on every call otherwise
 def heads_per_group(n_kv: int, n_bh: int, sms: int) -> int:
     """`LONGEST_FIRST`'s group: about as many heads as run at once head by head (ceil(sms / n_kv)), made a divisor of
     n_bh so that every group is whole (the nearest by ratio, the larger on a tie; all heads when fewer)."""
