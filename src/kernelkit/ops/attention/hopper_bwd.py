@@ -56,6 +56,10 @@ BLOCK_M = {64: 64, 128: 32}
 BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
+# With dQ fused: dS = P (dP - delta) takes P back from its 16-bit shared tile (written for dV) instead of holding its
+# fp32 registers while dP and dV run: ptxas (Triton 3.6) spills 40 bytes at d128 instead of 148 (120 / 296 causal;
+# d64 224 / 296 against 284 / 524). P then enters dS rounded to 16 bits, as it enters dV.
+P_FROM_SMEM = True
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
 # so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
@@ -177,7 +181,7 @@ def _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, ke
 @gluon.jit
 def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c, mb, h, dk, dv, LSE2,
                DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0, shift, scale, scale2, MASKED: gl.constexpr,
-               CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+               CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, P_FROM_SMEM: gl.constexpr):
     """One 64-query block for one warpgroup's 64 keys with queries as rows and dQ fused, FA3's way: S = Q Kᵀ and
     dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does; P and dS go
     through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this warpgroup adds its
@@ -212,6 +216,8 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
     dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
     delta = gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0)
     dp, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dp, dv))
+    if P_FROM_SMEM:  # P read back in 16 bits: its fp32 registers are free while dP and dV are in flight
+        p = p_s.load(s_layout).to(gl.float32)
     ds = (p * (dp - gl.expand_dims(delta, 1))).to(q_bufs.dtype)
     dslot = c % 2  # two slots: a warpgroup a step ahead never overwrites what the other still reads
     ds_s = ds_bufs.index(dslot * 2 + HALF)
@@ -251,7 +257,7 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
 def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
               DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HALF: gl.constexpr):
+              P_FROM_SMEM: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
     query block of the group."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
@@ -284,7 +290,7 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
             for mb in range(lo, hi):
                 dk, dv = _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, h, dk, dv, LSE2, DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0,
-                                    shift, scale, scale2, True, CAUSAL, STAGES, HALF)
+                                    shift, scale, scale2, True, CAUSAL, STAGES, HALF, P_FROM_SMEM)
                 c += 1
         else:
             for mb in range(lo, a):
@@ -310,7 +316,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
 def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE2, DELTA, stride_lb,
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr):
     """Grid (heads per group, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D shared
     layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too (`_step_rows`, BLOCK_M_FUSED
@@ -352,10 +359,12 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
         dq_stage = k_bufs
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, 0)),
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     P_FROM_SMEM, 0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, 1)),
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     P_FROM_SMEM, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
                                      empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -413,7 +422,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is None:
         return
     if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
