@@ -13,8 +13,8 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
 fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
 `kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
-blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs`: as shipped but dS's P held in registers, not
-`hopper_bwd.P_FROM_SMEM`). Rows `eager` (SDPA with its own backend choice, as a model
+blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in registers / read
+back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says). Rows `eager` (SDPA with its own backend choice, as a model
 calls it) and, with `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
 backward's switches on each call and leaves them set, so the backward timed after it is its own.
 """
@@ -36,7 +36,7 @@ from kernelkit.testing.bench import kernel_time_ms
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
                    bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64],
-                   longest_first=hopper_bwd.LONGEST_FIRST, p_smem=hopper_bwd.P_FROM_SMEM)
+                   longest_first=hopper_bwd.LONGEST_FIRST, p_smem=dict(hopper_bwd.P_FROM_SMEM))
 
 
 def _bwd_state(**over) -> None:
@@ -48,7 +48,7 @@ def _bwd_state(**over) -> None:
     hopper_bwd.BLOCK_M[128] = st["bm128"]
     hopper_bwd.BLOCK_M_FUSED[64] = st["fused_bm64"]
     hopper_bwd.LONGEST_FIRST = st["longest_first"]
-    hopper_bwd.P_FROM_SMEM = st["p_smem"]
+    hopper_bwd.P_FROM_SMEM.update(st["p_smem"])
 
 
 def rows():
@@ -89,7 +89,7 @@ def _kk(gluon: bool | None):
 
 
 def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None,
-            longest_first: bool | None = None, gluon: bool | str = True, p_smem: bool | None = None):
+            longest_first: bool | None = None, gluon: bool | str = True, p_smem: dict | None = None):
     """kernelkit as shipped forward, the Gluon kernel forced in the backward (or `gluon` as the switch takes it), with
     dQ fused (TMA reduces) or from the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128
     (Triton dQ), `fused_bm64` at d64 (dQ fused), causal key blocks longest first or in launch order, and dS's P from
@@ -173,7 +173,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
                     "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64),
                     "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON),
-                    "kk-bwd-p-regs": _kk_bwd(True, p_smem=False, gluon=bwd_mod.GLUON)})
+                    "kk-bwd-p-regs": _kk_bwd(True, p_smem={64: False, 128: False}, gluon=bwd_mod.GLUON),
+                    "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

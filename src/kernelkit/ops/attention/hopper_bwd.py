@@ -56,10 +56,12 @@ BLOCK_M = {64: 64, 128: 32}
 BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
-# With dQ fused: dS = P (dP - delta) takes P back from its 16-bit shared tile (written for dV) instead of holding its
-# fp32 registers while dP and dV run: ptxas (Triton 3.6) spills 40 bytes at d128 instead of 148 (120 / 296 causal;
-# d64 224 / 296 against 284 / 524). P then enters dS rounded to 16 bits, as it enters dV.
-P_FROM_SMEM = True
+# With dQ fused, by head dim: dS = P (dP - delta) takes P back from its 16-bit shared tile (written for dV) instead of
+# holding its fp32 registers while dP and dV run. ptxas (Triton 3.6) then spills 40 bytes at d128 instead of 148 (120
+# instead of 296 causal; d64 224 / 296 instead of 284 / 524). P enters dS rounded to 16 bits, as it enters dV. H100,
+# kernels alone (benchmarks/experiments/h100/2026-11-26-stop44): d128 causal rows 1.03-1.09x, the others within
+# +-3%; d64 0.95x, so off there.
+P_FROM_SMEM = {64: False, 128: True}
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
 # so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
@@ -422,7 +424,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is None:
         return
     if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
