@@ -21,11 +21,14 @@ builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into 
 Pᵀ and dSᵀ stay in registers as the A operands of dV += Pᵀ dO and dK += dSᵀ Q; `backward.attn_bwd_dq_kernel`
 recomputes P and dP per query block and owns its rows: bitwise reproducible.
 
-dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA stores.
+At d128 dS takes P back from its 16-bit shared tile rather than holding P's fp32 registers across dP and dV
+(`P_FROM_SMEM`: fewer spills). dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and
+TMA stores. With the causal mask the grid runs key block 0 (the longest) of a group of heads first
+(`LONGEST_FIRST`, `_kv_block`).
 
-H100, stop 43 (docs/ops/attention.md): dQ fused is 1.06-1.32x the all-Triton backward at d128 from 4k tokens
-(0.90-1.40x at 1k; 0.77-1.03x cuDNN); at d64 1.08-1.16x without the causal mask at 4k-16k, 0.83-0.91x with it and
-at 1k, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`, `backward.gluon_auto`). The same
+H100 (docs/ops/attention.md, stops 43-44): dQ fused is 1.19-1.46x the all-Triton backward at d128 (stop 43) and
+0.91-0.94x cuDNN from 4k tokens, kernels alone (stop 44); at d64 1.08-1.16x without the causal mask at 4k-16k, 0.83-0.91x with it and at 1k,
+where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`, `backward.gluon_auto`). The same
 fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
 backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
 
