@@ -13,10 +13,11 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
 fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
 `kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
-blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in registers / read
-back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says). Rows `eager` (SDPA with its own backend choice, as a model
-calls it) and, with `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
-backward's switches on each call and leaves them set, so the backward timed after it is its own.
+blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in
+registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says). Rows `eager`
+(SDPA with its own backend choice, as a model calls it) and, with `--flex`, `flex` (FlexAttention under
+torch.compile) are torch's own. Every kernelkit implementation sets all the backward's switches on each call and
+leaves them set, so the backward timed after it is its own.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tests.conftest import INTERPRET
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TESTED = {"gpu_check.sh", "host_time.py", "multi_gpu_check.sh", "results_table.py", "coop_sanitize.py",
-          "fp8_table.sh", "memcheck_attention_bwd.py"}
+          "fp8_table.sh", "memcheck_attention_bwd.py", "attention_session.sh", "install_fa4.sh"}
 
 
 def run_script(name: str, *argv: str) -> int:
@@ -51,6 +51,21 @@ def test_gpu_check_parses_and_every_script_it_runs_exists():
     paths = set(re.findall(r"\b((?:scripts|benchmarks)/[\w./-]+\.py)\b", text))
     assert "scripts/host_time.py" in paths and "benchmarks/gemm.py" in paths
     assert [p for p in sorted(paths) if not (SCRIPTS.parent / p).is_file()] == []
+
+
+def test_attention_session_parses_and_runs_what_exists():
+    subprocess.run(["bash", "-n", str(SCRIPTS / "attention_session.sh")], check=True)
+    text = (SCRIPTS / "attention_session.sh").read_text()
+    paths = set(re.findall(r"\b((?:scripts|benchmarks|tests)/[\w./-]+\.py)\b", text))
+    assert paths == {"benchmarks/attention_vs_cudnn.py", "scripts/memcheck_attention_bwd.py",
+                     "tests/test_attention_hopper.py"}
+    assert all((SCRIPTS.parent / p).is_file() for p in paths)
+
+
+def test_install_fa4_parses_and_rejects_unknown_steps():
+    subprocess.run(["bash", "-n", str(SCRIPTS / "install_fa4.sh")], check=True)
+    run = subprocess.run(["bash", str(SCRIPTS / "install_fa4.sh"), "nonsense"], capture_output=True, text=True)
+    assert run.returncode == 2 and "stage|install" in run.stderr
 
 
 def test_fp8_table_parses_and_runs_known_variants():

@@ -27,8 +27,9 @@ TMA stores. With the causal mask the grid runs key block 0 (the longest) of a gr
 (`LONGEST_FIRST`, `_kv_block`).
 
 H100 (docs/ops/attention.md, stops 43-44): dQ fused is 1.19-1.46x the all-Triton backward at d128 (stop 43) and
-0.91-0.94x cuDNN from 4k tokens, kernels alone (stop 44); at d64 1.08-1.16x without the causal mask at 4k-16k, 0.83-0.91x with it and at 1k,
-where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`, `backward.gluon_auto`). The same
+0.91-0.94x cuDNN from 4k tokens, kernels alone (stop 44); at d64 1.08-1.16x without the causal mask at 4k-16k,
+0.83-0.91x with it and at 1k, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`,
+`backward.gluon_auto`). The same
 fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
 backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
 
@@ -322,12 +323,11 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr,
-                                PRODUCER_REGS: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (heads per group, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D shared
-    layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too (`_step_rows`, BLOCK_M_FUSED
-    queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`; else the caller runs the
-    Triton dQ kernel and dq_desc is not read."""
+    layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too
+    (`_step_rows`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`;
+    else the caller runs the Triton dQ kernel and dq_desc is not read. P_FROM_SMEM: see the module constant."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -427,7 +427,8 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     if dq is None:
         return
     if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
