@@ -14,8 +14,9 @@ Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query
 fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
 `kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
 blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in
-registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says). Rows `eager`
-(SDPA with its own backend choice, as a model calls it) and, with `--flex`, `flex` (FlexAttention under
+registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says;
+`kk-bwd-fused-p-smem`: the fused Gluon backward forced, d64 with the causal mask included, with P read back). Rows
+`eager` (SDPA with its own backend choice, as a model calls it) and, with `--flex`, `flex` (FlexAttention under
 torch.compile) are torch's own. Every kernelkit implementation sets all the backward's switches on each call and
 leaves them set, so the backward timed after it is its own.
 """
@@ -175,7 +176,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
                     "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64),
                     "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON),
                     "kk-bwd-p-regs": _kk_bwd(True, p_smem={64: False, 128: False}, gluon=bwd_mod.GLUON),
-                    "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON)})
+                    "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON),
+                    "kk-bwd-fused-p-smem": _kk_bwd(True, p_smem={64: True, 128: True})})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
