@@ -133,3 +133,28 @@ def test_host_time_runs_an_op_on_the_interpreter(capsys):
     assert run_script("host_time.py", "rms_norm", "--device", "cpu", "--calls", "1", "--repeats", "1") == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"== rms_norm \(2, 3, 129\) fwd [\d.]+ us, fwd\+grad-record [\d.]+ us, bwd [\d.]+ us", line)
+
+
+def test_attention_vs_cudnn_knobs_set_and_restore():
+    """The benchmark's variants set the backward's knobs they name and every other knob to its shipped value, so a
+    variant timed after another is its own (a misspelt knob or one left out would time the wrong kernel)."""
+    sys.path.insert(0, str(SCRIPTS.parent / "benchmarks"))
+    try:
+        import attention_vs_cudnn as bench
+    finally:
+        sys.path.pop(0)
+    from kernelkit.ops.attention import backward as bwd_mod, hopper_bwd
+
+    shipped = dict(bench.SHIPPED_BWD, p_smem=dict(bench.SHIPPED_BWD["p_smem"]))
+    names = bench.impls(False, bwd_variants=True)
+    assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-launch-order", "kk-bwd-p-regs", "kk-bwd-p-smem",
+            "kk-bwd-fused-p-smem"} <= set(names)
+    try:
+        bench._bwd_state(gluon=True, longest_first=False, p_smem={64: True, 128: False})
+        assert bwd_mod.GLUON is True and hopper_bwd.LONGEST_FIRST is False
+        assert hopper_bwd.P_FROM_SMEM == {64: True, 128: False}
+        bench._bwd_state()
+        assert (bwd_mod.GLUON, hopper_bwd.LONGEST_FIRST) == (shipped["gluon"], shipped["longest_first"])
+        assert hopper_bwd.P_FROM_SMEM == shipped["p_smem"]
+    finally:
+        bench._bwd_state()
