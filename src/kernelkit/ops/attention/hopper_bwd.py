@@ -307,6 +307,10 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
                 dk, dv = _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, keys, LSE2,
                                DELTA, l_base, stride_lh, seqlen_q, shift, scale2, False, CAUSAL, STAGES, HALF)
                 c += 1
+    if FUSED_DQ:  # the other warpgroup's dQ = dS K reads this half's K too: both done before K's tile takes dK
+        gl.thread_barrier()
+        mbarrier.arrive(ds_bar.index(2), count=1)
+        mbarrier.wait(ds_bar.index(2), 0)
     # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
     k.store((dk * scale).to(dk_desc.dtype))
     v.store(dv.to(dv_desc.dtype))
@@ -335,8 +339,9 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_D], ROWS_SMEM)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], ROWS_SMEM)
-    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    # both warpgroups' dS of a step (two slots), and [2]: both done with K before it carries dK out
+    ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
         mbarrier.init(ds_bar.index(i), count=2)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -374,7 +379,7 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                      empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(2):
+    for i in gl.static_range(3):
         mbarrier.invalidate(ds_bar.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
