@@ -7,7 +7,7 @@ imports (its sm_90 path). `triton.testing.do_bench` median with the L2 flushed b
 the op's cost model (4·d per attended pair and head; backward 2.5x). Backward = (forward + backward) - forward.
 
     python benchmarks/attention_vs_cudnn.py --out results.json [--bwd] [--kernel-time] [--rows "d128 s4096,..."]
-        [--bwd-variants] [--only cudnn,kernelkit,kk-bwd-gluon,...]
+        [--bwd-variants] [--only cudnn,kernelkit,kk-bwd-gluon,...] [--model-rows]
 
 `--bwd-variants` adds the Gluon backward forced on at both head dims (`kk-bwd-gluon`: its dK / dV kernel and the
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
@@ -15,8 +15,9 @@ fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 rin
 `kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
 blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in
 registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says;
-`kk-bwd-fused-p-smem`: the fused Gluon backward forced, d64 with the causal mask included, with P read back). Rows
-`eager` (SDPA with its own backend choice, as a model calls it) and, with `--flex`, `flex` (FlexAttention under
+`kk-bwd-fused-p-smem`: the fused Gluon backward forced, d64 with the causal mask included, with P read back;
+`kk-bwd-no-split`: as shipped but a GQA group's query heads never split over programs, `hopper_bwd.SPLIT_WAVES` 0).
+Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with `--flex`, `flex` (FlexAttention under
 torch.compile) are torch's own. Every kernelkit implementation sets all the backward's switches on each call and
 leaves them set, so the backward timed after it is its own.
 """
@@ -38,7 +39,8 @@ from kernelkit.testing.bench import kernel_time_ms
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
                    bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64],
-                   longest_first=hopper_bwd.LONGEST_FIRST, p_smem=dict(hopper_bwd.P_FROM_SMEM))
+                   longest_first=hopper_bwd.LONGEST_FIRST, p_smem=dict(hopper_bwd.P_FROM_SMEM),
+                   split_waves=hopper_bwd.SPLIT_WAVES)
 
 
 def _bwd_state(**over) -> None:
@@ -51,13 +53,19 @@ def _bwd_state(**over) -> None:
     hopper_bwd.BLOCK_M_FUSED[64] = st["fused_bm64"]
     hopper_bwd.LONGEST_FIRST = st["longest_first"]
     hopper_bwd.P_FROM_SMEM.update(st["p_smem"])
+    hopper_bwd.SPLIT_WAVES = st["split_waves"]
 
 
-def rows():
+def rows(model_rows: bool = False):
+    """Issue 28's 14 rows; with `model_rows`, also the attention calls of the Llama-shaped training steps that
+    `kernelkit profile --patch` measures (GQA 32/8, 2048 tokens: d128 at batch 1, d64 at batch 4)."""
     out = [dict(name=f"d{d} s{s}{' causal' if c else ''}", b=16384 // s, s=s, h=2048 // d, hk=2048 // d, d=d,
                 causal=c) for d in (128, 64) for s in (16384, 4096, 1024) for c in (False, True)]
     out += [dict(name=f"d128 s4096 GQA 32/8{' causal' if c else ''}", b=4, s=4096, h=32, hk=8, d=128, causal=c)
             for c in (False, True)]
+    if model_rows:
+        out += [dict(name="llama-8b b1 s2048 d128 GQA 32/8 causal", b=1, s=2048, h=32, hk=8, d=128, causal=True),
+                dict(name="llama-1b b4 s2048 d64 GQA 32/8 causal", b=4, s=2048, h=32, hk=8, d=64, causal=True)]
     return out
 
 
@@ -91,7 +99,8 @@ def _kk(gluon: bool | None):
 
 
 def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None,
-            longest_first: bool | None = None, gluon: bool | str = True, p_smem: dict | None = None):
+            longest_first: bool | None = None, gluon: bool | str = True, p_smem: dict | None = None,
+            split_waves: int | None = None):
     """kernelkit as shipped forward, the Gluon kernel forced in the backward (or `gluon` as the switch takes it), with
     dQ fused (TMA reduces) or from the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128
     (Triton dQ), `fused_bm64` at d64 (dQ fused), causal key blocks longest first or in launch order, and dS's P from
@@ -99,7 +108,7 @@ def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None,
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
         _bwd_state(gluon=gluon, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64,
-                   longest_first=longest_first, p_smem=p_smem)
+                   longest_first=longest_first, p_smem=p_smem, split_waves=split_waves)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -177,7 +186,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
                     "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON),
                     "kk-bwd-p-regs": _kk_bwd(True, p_smem={64: False, 128: False}, gluon=bwd_mod.GLUON),
                     "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON),
-                    "kk-bwd-fused-p-smem": _kk_bwd(True, p_smem={64: True, 128: True})})
+                    "kk-bwd-fused-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}),
+                    "kk-bwd-no-split": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-variants", action="store_true",
                     help="also the Gluon backward with dQ fused (TMA reduces) and with the Triton dQ kernel, and their knobs")
     ap.add_argument("--flex", action="store_true", help="also FlexAttention under torch.compile (slow to compile)")
+    ap.add_argument("--model-rows", action="store_true", help="also the Llama-shaped calls (GQA 32/8, 2048 tokens)")
     ap.add_argument("--only", default="", help="comma-separated implementations to time (default: all)")
     ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = ap.parse_args(argv)
@@ -247,7 +258,7 @@ def main(argv=None) -> int:
                 [int(n) for n in a.consumers.split(",") if n], a.bwd_variants, a.flex)
     if a.only:
         fns = {n: f for n, f in fns.items() if n in a.only.split(",")}
-    todo = [r for r in rows() if not a.rows or r["name"] in a.rows.split(",")]
+    todo = [r for r in rows(a.model_rows) if not a.rows or r["name"] in a.rows.split(",")]
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     results = []

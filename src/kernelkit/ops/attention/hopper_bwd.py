@@ -71,6 +71,11 @@ P_FROM_SMEM = {64: False, 128: True}
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
 # K / V, Q and dO in L2) and, within a group, key block 0 of every head first (`_kv_block`).
 LONGEST_FIRST = True
+# GQA at small batch: with dQ fused, the query heads of a group are split over this many programs per key block when
+# the grid would otherwise fill fewer than SPLIT_WAVES waves (`heads_split`): each program adds its dK / dV share into
+# zeroed fp32 buffers by TMA reduces (as dQ), cast into dk / dv at the end. At b1 h32/8 s2048 the unsplit causal grid
+# is 8 KV heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps.
+SPLIT_WAVES = 2
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
@@ -93,19 +98,21 @@ def _q_range(n0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _kv_block():
-    """(key block, batch x KV head) of this program. The grid is (heads per group, key blocks, groups): in launch order
-    a group's programs key block by key block, block 0 of each of its heads first (`LONGEST_FIRST`); a group of 1 is
-    head by head, the key blocks in order. From program ids alone, so each partition recomputes it for free."""
-    return gl.program_id(1), gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+def _kv_block(SPLIT: gl.constexpr):
+    """(key block, batch x KV head, part) of this program. The grid is (heads per group x SPLIT, key blocks, groups): in
+    launch order a group's programs key block by key block, block 0 of each of its heads first (`LONGEST_FIRST`); a
+    group of 1 is head by head, the key blocks in order. `part` (< SPLIT) names the share of the GQA group's query
+    heads. From program ids alone, so each partition recomputes it for free."""
+    x = gl.program_id(0)
+    return gl.program_id(1), gl.program_id(2) * (gl.num_programs(0) // SPLIT) + x // SPLIT, x % SPLIT
 
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, n_heads_k,
-              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: K and V halves once, then (Q, dO) of every query block of every head of the group."""
+              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """One warp: K and V halves once, then (Q, dO) of every query block of the program's heads of the group."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
-    kv, bh = _kv_block()
+    kv, bh, part = _kv_block(SPLIT)
     n0 = kv * (2 * HALF)
     b = bh // n_heads_k
     hk = bh % n_heads_k
@@ -120,7 +127,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
                                                                      v_desc.layout))
     lo, _, hi = _q_range(n0, seqlen_q, seqlen_k, CAUSAL, BM, 2 * HALF)
     c = gl.to_tensor(0)
-    for g in range(group):
+    per = group // SPLIT
+    for g in range(part * per, part * per + per):
         h = hk * group + g
         for mb in range(lo, hi):
             slot = c % STAGES
@@ -263,11 +271,12 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
 def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
               DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-              P_FROM_SMEM: gl.constexpr, HALF: gl.constexpr):
+              P_FROM_SMEM: gl.constexpr, SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
-    query block of the group."""
+    query block of the program's heads of the group. SPLIT > 1: dk_desc / dv_desc address fp32 buffers that the
+    programs sharing these keys add into (ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile)."""
     HALF_N: gl.constexpr = k_bufs.type.shape[1]
-    kv, bh = _kv_block()  # here, not passed in: fewer values live across the partitions
+    kv, bh, part = _kv_block(SPLIT)  # here, not passed in: fewer values live across the partitions
     n0 = kv * (2 * HALF_N)
     b = bh // n_heads_k
     hk = bh % n_heads_k
@@ -289,7 +298,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
     v = v_bufs.index(HALF)
     mbarrier.wait(kv_bar, 0)
     c = gl.to_tensor(0)
-    for g in range(group):
+    per = group // SPLIT
+    for g in range(part * per, part * per + per):
         h = hk * group + g
         dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 else HEAD_D)  # dQ buffer row, query block 0
         if FUSED_DQ:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
@@ -311,15 +321,30 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
         gl.thread_barrier()
         mbarrier.arrive(ds_bar.index(2), count=1)
         mbarrier.wait(ds_bar.index(2), 0)
-    # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
-    k.store((dk * scale).to(dk_desc.dtype))
-    v.store(dv.to(dv_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0],
-                                    k._reinterpret(dk_desc.dtype, dk_desc.block_type.shape, dk_desc.layout))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0],
-                                    v._reinterpret(dv_desc.dtype, dv_desc.block_type.shape, dv_desc.layout))
-    tma.store_wait(pendings=0)
+    if SPLIT > 1:  # add this program's share: staged in fp32 through this warpgroup's half of the (drained) ring
+        ring = q_bufs if HALF == 0 else do_bufs
+        stage = ring._reinterpret(gl.float32, [HALF_N, HEAD_D], ACC_SMEM)
+        box = ring._reinterpret(gl.float32, dk_desc.block_type.shape, dk_desc.layout)
+        stage.store(dk * scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma_reduce_add(dk_desc, [b, hk, n0 + HALF * HALF_N, 0], box)
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        stage.store(dv)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma_reduce_add(dv_desc, [b, hk, n0 + HALF * HALF_N, 0], box)
+        tma.store_wait(pendings=0)
+    else:  # every wgmma reading this half's K and V has completed: their tiles carry dK and dV out
+        k.store((dk * scale).to(dk_desc.dtype))
+        v.store(dv.to(dv_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0],
+                                        k._reinterpret(dk_desc.dtype, dk_desc.block_type.shape, dk_desc.layout))
+        tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0],
+                                        v._reinterpret(dv_desc.dtype, dv_desc.block_type.shape, dv_desc.layout))
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -327,7 +352,8 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr = 1,
+                                ACC_SMEM: gl.constexpr = None):
     """Grid (heads per group, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D shared
     layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too
     (`_step_rows`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`;
@@ -370,13 +396,13 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
                                      n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, 0)),
+                                     P_FROM_SMEM, SPLIT, ACC_SMEM, 0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
                                      n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, 1)),
+                                     P_FROM_SMEM, SPLIT, ACC_SMEM, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
-                                     empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES))],
+                                     empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES, SPLIT))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(3):
@@ -399,6 +425,12 @@ def heads_per_group(n_kv: int, n_bh: int, sms: int) -> int:
     if want >= n_bh:
         return n_bh
     return min((g for g in range(1, n_bh + 1) if n_bh % g == 0), key=lambda g: (max(g / want, want / g), -g))
+
+
+def heads_split(group: int, programs: int, sms: int) -> int:
+    """How many programs share a key block's GQA group (`SPLIT_WAVES`): the fewest, a divisor of the group, that make
+    `programs` (key blocks x batch x KV heads) fill SPLIT_WAVES waves of `sms`; 1 when they already do."""
+    return next((s for s in range(1, group + 1) if group % s == 0 and programs * s >= SPLIT_WAVES * sms), group)
 
 
 def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
@@ -425,15 +457,26 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     k_desc = _fwd._desc(k, HALF_N)
     dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device) if dq is not None else (None, k_desc)
     n_kv, n_bh = -(-seq_k // BLOCK_N), batch * hk
-    per_group = heads_per_group(n_kv, n_bh, num_sms(q.device)) if causal and LONGEST_FIRST else 1
+    sms = num_sms(q.device)
+    split = heads_split(hq // hk, n_kv * n_bh, sms) if dq is not None else 1
+    per_group = heads_per_group(n_kv * split, n_bh, sms) if causal and LONGEST_FIRST else 1
+    if split > 1:  # dK / dV added into fp32 buffers by the programs sharing each key block
+        dk_acc, dv_acc = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (dk, dv))
+        dk_desc, dv_desc = _fwd._desc(dk_acc, HALF_N), _fwd._desc(dv_acc, HALF_N)
+        acc_smem = smem_layout((HALF_N, d), torch.float32)
+    else:
+        dk_desc, dv_desc, acc_smem = _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), None
     launch(  # through runtime.launch, as the forward
-        attn_bwd_dkdv_hopper_kernel, (per_group, n_kv, n_bh // per_group), None,
+        attn_bwd_dkdv_hopper_kernel, (per_group * split, n_kv, n_bh // per_group), None,
         _fwd._desc(q, bm), _fwd._desc(do, bm), k_desc, _fwd._desc(v, HALF_N),
-        _fwd._desc(dk, HALF_N), _fwd._desc(dv, HALF_N), dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
+        dk_desc, dv_desc, dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
         FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
+    if split > 1:
+        dk.copy_(dk_acc)
+        dv.copy_(dv_acc)
     if dq is None:
         return
     if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
