@@ -71,11 +71,12 @@ P_FROM_SMEM = {64: False, 128: True}
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
 # K / V, Q and dO in L2) and, within a group, key block 0 of every head first (`_kv_block`).
 LONGEST_FIRST = True
-# GQA at small batch: with dQ fused, the query heads of a group are split over this many programs per key block when
-# the grid would otherwise fill fewer than SPLIT_WAVES waves (`heads_split`): each program adds its dK / dV share into
-# zeroed fp32 buffers by TMA reduces (as dQ), cast into dk / dv at the end. At b1 h32/8 s2048 the unsplit causal grid
-# is 8 KV heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps.
-SPLIT_WAVES = 2
+# GQA at small batch: with dQ fused, a group's query heads are split over several programs per key block when the grid
+# would otherwise fill fewer than SPLIT_WAVES waves (`heads_split`): each program adds its dK / dV share into zeroed
+# fp32 buffers by TMA reduces (as dQ), cast into dk / dv at the end. At b1 h32/8 s2048 the unsplit causal grid is 8 KV
+# heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps. 0 (off): built for sm_90 in stop 44
+# but not yet run on a GPU; 2 is the value to measure (`benchmarks/attention_vs_cudnn.py --model-rows`).
+SPLIT_WAVES = 0
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
