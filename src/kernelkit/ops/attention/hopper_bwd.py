@@ -355,10 +355,12 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr = 1,
                                 ACC_SMEM: gl.constexpr = None):
-    """Grid (heads per group, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D shared
-    layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ: dQ too
-    (`_step_rows`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`;
-    else the caller runs the Triton dQ kernel and dq_desc is not read. P_FROM_SMEM: see the module constant."""
+    """Grid (heads per group x SPLIT, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D
+    shared layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ:
+    dQ too (`_step_rows`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of
+    `dq_buffer`; else the caller runs the Triton dQ kernel and dq_desc is not read. P_FROM_SMEM: see the module
+    constant. SPLIT > 1 (`heads_split`): dk_desc / dv_desc address zeroed fp32 buffers, added into by TMA reduces;
+    ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
