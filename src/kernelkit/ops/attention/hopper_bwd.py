@@ -24,7 +24,8 @@ recomputes P and dP per query block and owns its rows: bitwise reproducible.
 At d128 dS takes P back from its 16-bit shared tile rather than holding P's fp32 registers across dP and dV
 (`P_FROM_SMEM`: fewer spills). dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and
 TMA stores. With the causal mask the grid runs key block 0 (the longest) of a group of heads first
-(`LONGEST_FIRST`, `_kv_block`).
+(`LONGEST_FIRST`, `_kv_block`). `SPLIT_WAVES` (off until measured) splits a GQA group's query heads over programs
+at small grids, dK and dV then added by fp32 TMA reduces (`heads_split`).
 
 H100 (docs/ops/attention.md, stops 43-44): dQ fused is 1.19-1.46x the all-Triton backward at d128 (stop 43) and
 0.91-0.94x cuDNN from 4k tokens, kernels alone (stop 44); at d64 1.08-1.16x without the causal mask at 4k-16k,
