@@ -375,17 +375,23 @@ _BWD_BUILDS = {(128, True, False): 0, (64, False, False): 0, (128, True, True): 
                (64, True, True): 540, (128, False, True): 60}
 
 
-@pytest.mark.parametrize("d,causal,fused", list(_BWD_BUILDS))
-def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
+def _check_bwd_build(argv, max_spill):
+    """_BUILD_BWD with `argv` (d, causal, fused[, split]): ptxas succeeds, shared memory within the SM's 227 KiB, no
+    C7514, and at most `max_spill` bytes spilled."""
     import json
 
-    run = compile_check.run_uninterpreted(_BUILD_BWD, (d, int(causal), int(fused)), timeout=600)
+    run = compile_check.run_uninterpreted(_BUILD_BWD, argv, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0 and r["shared"] <= 227 * 1024, r["ptxas"]
     assert "C7514" not in r["ptxas"], r["ptxas"]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", r["ptxas"])]
-    assert spills and max(spills) <= _BWD_BUILDS[(d, causal, fused)], r["ptxas"]
+    assert spills and max(spills) <= max_spill, r["ptxas"]
+
+
+@pytest.mark.parametrize("d,causal,fused", list(_BWD_BUILDS))
+def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
+    _check_bwd_build((d, int(causal), int(fused)), _BWD_BUILDS[(d, causal, fused)])
 
 
 @pytest.mark.gpu
@@ -469,15 +475,7 @@ _SPLIT_BUILDS = {(128, True): 200, (64, True): 640}
 
 @pytest.mark.parametrize("d,causal", list(_SPLIT_BUILDS))
 def test_sm90_build_of_the_split_backward(d, causal):
-    import json
-
-    run = compile_check.run_uninterpreted(_BUILD_BWD, (d, int(causal), 1, 2), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(run.stdout.strip().splitlines()[-1])
-    assert r["rc"] == 0 and r["shared"] <= 227 * 1024, r["ptxas"]
-    assert "C7514" not in r["ptxas"], r["ptxas"]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", r["ptxas"])]
-    assert spills and max(spills) <= _SPLIT_BUILDS[(d, causal)], r["ptxas"]
+    _check_bwd_build((d, int(causal), 1, 2), _SPLIT_BUILDS[(d, causal)])
 
 
 @pytest.mark.parametrize("group,programs,sms,want", [(4, 128, 132, 4), (4, 1024, 132, 1), (1, 16, 132, 1),
