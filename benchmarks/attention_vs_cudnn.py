@@ -16,8 +16,8 @@ fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 rin
 blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in
 registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says;
 `kk-bwd-fused-p-smem`: the fused Gluon backward forced, d64 with the causal mask included, with P read back;
-`kk-bwd-split`: as shipped but a GQA group's query heads split over programs where the grid fills fewer than 2
-waves, `hopper_bwd.SPLIT_WAVES` 2). Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with
+`kk-bwd-unsplit`: as shipped but a GQA group's query heads never split over programs at small grids,
+`hopper_bwd.SPLIT_WAVES` 0). Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with
 `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
 backward's switches on each call and leaves them set, so the backward timed after it is its own.
 """
@@ -187,7 +187,7 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
                     "kk-bwd-p-regs": _kk_bwd(True, p_smem={64: False, 128: False}, gluon=bwd_mod.GLUON),
                     "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON),
                     "kk-bwd-fused-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}),
-                    "kk-bwd-split": _kk_bwd(True, split_waves=2, gluon=bwd_mod.GLUON)})
+                    "kk-bwd-unsplit": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

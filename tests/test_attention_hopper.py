@@ -482,7 +482,7 @@ def test_sm90_build_of_the_split_backward(d, causal):
                                                      (8, 100, 132, 4), (6, 50, 132, 6), (4, 200, 132, 2)])
 def test_heads_split_fills_the_waves_with_a_divisor(group, programs, sms, want, monkeypatch):
     # the fewest programs per key block's GQA group (a divisor of it) that fill SPLIT_WAVES waves, at most the group;
-    # SPLIT_WAVES 0 (as shipped until measured): never split
+    # SPLIT_WAVES 0: never split
     monkeypatch.setattr(hopper_bwd, "SPLIT_WAVES", 2)
     assert hopper_bwd.heads_split(group, programs, sms) == want and group % want == 0
     monkeypatch.setattr(hopper_bwd, "SPLIT_WAVES", 0)

@@ -24,7 +24,7 @@ recomputes P and dP per query block and owns its rows: bitwise reproducible.
 At d128 dS takes P back from its 16-bit shared tile rather than holding P's fp32 registers across dP and dV
 (`P_FROM_SMEM`: fewer spills). dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and
 TMA stores. With the causal mask the grid runs key block 0 (the longest) of a group of heads first
-(`LONGEST_FIRST`, `_kv_block`). `SPLIT_WAVES` (off until measured) splits a GQA group's query heads over programs
+(`LONGEST_FIRST`, `_kv_block`). `SPLIT_WAVES` splits a GQA group's query heads over programs
 at small grids, dK and dV then added by fp32 TMA reduces (`heads_split`).
 
 H100 (docs/ops/attention.md, stops 43-44): dQ fused is 1.19-1.46x the all-Triton backward at d128 (stop 43) and
@@ -75,9 +75,9 @@ LONGEST_FIRST = True
 # GQA at small batch: with dQ fused, a group's query heads are split over several programs per key block when the grid
 # would otherwise fill fewer than SPLIT_WAVES waves (`heads_split`): each program adds its dK / dV share into zeroed
 # fp32 buffers by TMA reduces (as dQ), cast into dk / dv at the end. At b1 h32/8 s2048 the unsplit causal grid is 8 KV
-# heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps. 0 (off): built for sm_90 in stop 44
-# but not yet run on a GPU; 2 is the value to measure (`benchmarks/attention_vs_cudnn.py --model-rows`).
-SPLIT_WAVES = 0
+# heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps. H100, kernels alone (stop 45,
+# benchmarks/experiments/h100/2026-11-26-stop45): there 1.40x (292 vs 209 TFLOP/s; cuDNN 303); 0 turns it off.
+SPLIT_WAVES = 2
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
