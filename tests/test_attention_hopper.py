@@ -355,11 +355,14 @@ dq, dq_desc = B.dq_buffer(2, 4, n_mb, d, bm, "cpu")
 args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopper._desc(k, B.HALF_N),
             v_desc=hopper._desc(k, B.HALF_N), dk_desc=hopper._desc(k.float() if split > 1 else k, B.HALF_N),
             dv_desc=hopper._desc(k.float() if split > 1 else k, B.HALF_N),
-            dq_desc=dq_desc if fused else hopper._desc(k, B.HALF_N), LSE2=lse, DELTA=lse, stride_lb=lse.stride(0),
+            dq_desc=dq_desc if fused else hopper._desc(k, B.HALF_N),
+            lse_desc=B.stats_desc(lse, bm) if fused and B.KEYS_ROWS[d] else hopper._desc(k, B.HALF_N),
+            dl_desc=B.stats_desc(lse, bm) if fused and B.KEYS_ROWS[d] else hopper._desc(k, B.HALF_N), LSE2=lse, DELTA=lse, stride_lb=lse.stride(0),
             stride_lh=lse.stride(1), n_mb=n_mb, seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1,
             scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
              DS_SMEM=B.DS_SMEM, FUSED_DQ=fused, P_FROM_SMEM=B.P_FROM_SMEM[d],
+             KEYS_ROWS=fused and B.KEYS_ROWS[d],
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS, SPLIT=split,
              ACC_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.float32) if split > 1 else None)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
@@ -367,11 +370,10 @@ print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"
 """
 
 
-# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused (queries as rows: dK, dV, S and dP are 192 fp32
-# registers a thread at d128 with 64 queries and at d64 with 128) ptxas (Triton 3.6) spills 40 bytes at d128, 120
-# causal, with P read back from shared memory for dS (`P_FROM_SMEM`; 148 / 296 with P held in registers), and 284 /
-# 524 at d64 (P in registers); a bound, so that more fails.
-_BWD_BUILDS = {(128, True, False): 0, (64, False, False): 0, (128, True, True): 140, (64, False, True): 300,
+# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused ptxas (Triton 3.6) spills at d128 (keys as rows,
+# `KEYS_ROWS`: dK, dV 128 fp32 registers a thread, Sᵀ and dPᵀ 64, lse2 and delta read from shared memory where used)
+# 40 bytes, 156 causal; at d64 (queries as rows, 128 queries, P in registers) 284 / 524. A bound, so that more fails.
+_BWD_BUILDS = {(128, True, False): 0, (64, False, False): 0, (128, True, True): 180, (64, False, True): 300,
                (64, True, True): 540, (128, False, True): 60}
 
 

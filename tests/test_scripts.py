@@ -148,7 +148,7 @@ def test_attention_vs_cudnn_knobs_set_and_restore():
     shipped = dict(bench.SHIPPED_BWD, p_smem=dict(bench.SHIPPED_BWD["p_smem"]))
     names = bench.impls(False, bwd_variants=True)
     assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-launch-order", "kk-bwd-p-regs", "kk-bwd-p-smem",
-            "kk-bwd-fused-p-smem", "kk-bwd-unsplit"} <= set(names)
+            "kk-bwd-fused-p-smem", "kk-bwd-unsplit", "kk-bwd-q-rows"} <= set(names)
     try:
         bench._bwd_state(gluon=True, longest_first=False, p_smem={64: True, 128: False})
         assert bwd_mod.GLUON is True and hopper_bwd.LONGEST_FIRST is False

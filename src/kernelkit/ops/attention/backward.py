@@ -64,8 +64,8 @@ def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int) -> bool:
 
 @triton.jit
 def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, stride_ob, stride_os, stride_oh,
-                               stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q, n_heads_q,
-                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+                               stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_wb, stride_wh,
+                               seqlen_q, n_heads_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
                                VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads_q, pid_bh % n_heads_q
@@ -82,8 +82,9 @@ def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, stride
     lse = tl.load(LSE + lptr, mask=rows < seqlen_q, other=0.0)
     if HAS_DLSE:
         delta -= tl.load(DLSE + lptr, mask=rows < seqlen_q, other=0.0)
-    tl.store(DELTA + lptr, delta, mask=rows < seqlen_q)
-    tl.store(LSE2 + lptr, tl.where(lse == NEG_INF, POS_INF, lse * LOG2E), mask=rows < seqlen_q)
+    wptr = b64 * stride_wb + h * stride_wh + tok  # DELTA and LSE2: their own (row-padded) strides
+    tl.store(DELTA + wptr, delta, mask=rows < seqlen_q)
+    tl.store(LSE2 + wptr, tl.where(lse == NEG_INF, POS_INF, lse * LOG2E), mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -320,16 +321,22 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
     bd = block_d(d)
-    delta = empty(lse.shape, dtype=torch.float32, device=q.device)
-    lse2 = empty(lse.shape, dtype=torch.float32, device=q.device)
+    if varlen:
+        delta = empty(lse.shape, dtype=torch.float32, device=q.device)
+        lse2 = empty(lse.shape, dtype=torch.float32, device=q.device)
+    else:  # rows padded to 16 bytes: the Gluon kernel reads query blocks of them by TMA
+        pad = -(-seq_q // 4) * 4
+        delta = empty((batch, hq, pad), dtype=torch.float32, device=q.device)[..., :seq_q]
+        lse2 = empty((batch, hq, pad), dtype=torch.float32, device=q.device)[..., :seq_q]
     dlse = dlse.contiguous() if dlse is not None else None
     lse = lse.contiguous()
     ls = lse.stride()
-    l_strides = (0, ls[0]) if varlen else ls[:2]
+    l_strides = (0, ls[0]) if varlen else ls[:2]  # lse's and dlse's
+    w_strides = (0, delta.stride(0)) if varlen else delta.stride()[:2]  # delta's and lse2's
     rows = 16 if interpreting() else 64
     launch(attn_bwd_preprocess_kernel, (cdiv(seq_q, rows), batch * hq), None,
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
-           *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
+           *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, *w_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
     gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k))) and _hopper_bwd is not None
              and not interpreting()
@@ -359,7 +366,7 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     else:
         launch(attn_bwd_dkdv_kernel, grid, key, q, k, v, do, dk, dv, dq_acc, lse2, delta, cu,
                *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(do, varlen),
-               *row_strides(dk, varlen), *row_strides(dv, varlen), *dq_strides, *l_strides, *head, seq_key(hq // hk),
+               *row_strides(dk, varlen), *row_strides(dv, varlen), *dq_strides, *w_strides, *head, seq_key(hq // hk),
                ATOMIC_DQ=atomic, DQ_TMA=atomic and tma and not interpreting(), **common)
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
@@ -367,6 +374,6 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731
     launch(attn_bwd_dq_kernel, grid, (seq_key(seq_q), seq_key(seq_k), tuple(common.items()), q.dtype),
            q, k, v, do, dq, lse2, delta, cu, *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
-           *row_strides(do, varlen), *row_strides(dq, varlen), *l_strides, *head, **common)
+           *row_strides(do, varlen), *row_strides(dq, varlen), *w_strides, *head, **common)
     return dq, dk, dv
 

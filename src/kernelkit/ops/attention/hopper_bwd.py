@@ -67,6 +67,9 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # kernels alone (benchmarks/experiments/h100/2026-11-26-stop44): d128 causal rows 1.03-1.09x, the others within
 # +-3%; d64 0.95x, so off there.
 P_FROM_SMEM = {64: False, 128: True}
+# With dQ fused, by head dim: the step with keys as rows (`_step_keys`, FA3's recipe: Sᵀ = K Qᵀ, Pᵀ and dSᵀ the register
+# A operands of dV and dK, only dSᵀ through shared memory, for dQ) instead of queries as rows (`_step_rows`).
+KEYS_ROWS = {64: False, 128: True}
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
 # so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
@@ -82,6 +85,9 @@ POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
 DS_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+# A query block's lse2 or delta (1 x BM fp32) as TMA writes it, unswizzled, and read back as a vector (`_step_keys`).
+STATS_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+STATS_1D = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
 
 @gluon.jit
@@ -110,9 +116,11 @@ def _kv_block(SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready, empty, n_heads_k,
-              group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
-    """One warp: K and V halves once, then (Q, dO) of every query block of the program's heads of the group."""
+def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_bufs, k_bufs, v_bufs, st_bufs, kv_bar,
+              ready, empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, KEYS_ROWS: gl.constexpr):
+    """One warp: K and V halves once, then (Q, dO) of every query block of the program's heads of the group, and with
+    KEYS_ROWS the block's lse2 and delta (TMA zero-fills rows past seqlen_q)."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     kv, bh, part = _kv_block(SPLIT)
     n0 = kv * (2 * HALF)
@@ -136,7 +144,14 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, 
             slot = c % STAGES
             mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            if KEYS_ROWS:
+                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + 2 * lse_desc.block_type.nbytes)
+                st_row = (b * n_heads_k * group + h)
+                tma.async_copy_global_to_shared(lse_desc, [st_row, mb * BM], bar, st_bufs.index(2 * slot))
+                tma.async_copy_global_to_shared(dl_desc, [st_row, mb * BM], bar, st_bufs.index(2 * slot + 1))
+            else:
+                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, mb * BM, 0], bar,
                                             q_bufs.index(slot)._reinterpret(q_desc.dtype, q_desc.block_type.shape,
                                                                             q_desc.layout))
@@ -270,10 +285,70 @@ def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, re
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty, dk_desc, dv_desc, LSE2,
+def _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c, mb, dk, dv, keys,
+               dq_desc, dq_tile, shift, scale, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+               STAGES: gl.constexpr, HALF: gl.constexpr):
+    """One query block for one warpgroup's 64 keys with keys as rows and dQ fused (head dim 128), FA3's order: Sᵀ = K Qᵀ
+    and dPᵀ = V dOᵀ; Pᵀ and dSᵀ, rounded to 16 bits in registers, are the A operands of dV += Pᵀ dO and dK += dSᵀ Q;
+    dSᵀ also goes to shared memory, and once both warpgroups' are in, this warpgroup adds dQ = dS K over all 128 keys
+    for its 64 head-dim columns by one TMA reduce. lse2 and delta come from the ring's shared memory (the producer's
+    TMA), read as vectors right where they are used: registers only while they are."""
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    acc_layout: gl.constexpr = dk.type.layout
+    k = k_bufs.index(HALF)
+    HALF_N: gl.constexpr = k.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    slot = c % STAGES
+    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+    q = q_bufs.index(slot)
+    do = do_bufs.index(slot)
+    s_t = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([HALF_N, BM], gl.float32, layout=s_layout), use_acc=False,
+                        is_async=True)
+    vec: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+    s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+    if MASKED:  # a key right of a query's diagonal: its score is -inf, its probability 0
+        if CAUSAL:
+            rows = mb * BM + gl.arange(0, BM, layout=vec)  # query positions
+            s_t = gl.where(gl.expand_dims(keys - shift, 1) <= gl.expand_dims(rows, 0), s_t, float("-inf"))
+    lse2 = st_bufs.index(2 * slot)._reinterpret(gl.float32, [BM], STATS_1D).load(vec)
+    p_t = gl.exp2(s_t * scale2 - gl.expand_dims(lse2, 0))
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(q_bufs.dtype), op_layout), do, dv, is_async=True)
+    dp_t = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([HALF_N, BM], gl.float32, layout=s_layout), use_acc=False,
+                         is_async=True)
+    dv, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dp_t))
+    delta = st_bufs.index(2 * slot + 1)._reinterpret(gl.float32, [BM], STATS_1D).load(vec)
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
+    dslot = c % 2  # two slots: a warpgroup a step ahead never overwrites what the other still reads
+    ds_s = ds_bufs.index(dslot * 2 + HALF)  # [64 keys, BM queries]
+    ds_s.store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
+    mbarrier.arrive(ds_bar.index(dslot), count=1)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
+    mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 16])
+    dq = gl.zeros([BM, 64], gl.float32, layout=dq_layout)
+    for j in gl.static_range(2):  # dS (queries x keys) read transposed from each warpgroup's dSᵀ tile
+        dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j).permute((1, 0)), k_bufs.index(j).slice(HALF * 64, 64, dim=1),
+                           dq, use_acc=j > 0, is_async=True)
+    dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
+    mbarrier.arrive(empty.index(slot), count=1)
+    tma.store_wait(pendings=0)  # the previous step's reduce has read the staging tile
+    gl.thread_barrier()
+    _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+              dv_desc, LSE2,
               DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-              P_FROM_SMEM: gl.constexpr, SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr, HALF: gl.constexpr):
+              P_FROM_SMEM: gl.constexpr, KEYS_ROWS: gl.constexpr, SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr,
+              HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
     query block of the program's heads of the group. SPLIT > 1: dk_desc / dv_desc address fp32 buffers that the
     programs sharing these keys add into (ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile)."""
@@ -304,7 +379,18 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
     for g in range(part * per, part * per + per):
         h = hk * group + g
         dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 else HEAD_D)  # dQ buffer row, query block 0
-        if FUSED_DQ:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
+        if KEYS_ROWS:  # dQ fused, keys as rows: the mask only on the diagonal's blocks
+            for mb in range(lo, a):
+                dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
+                                    mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, True, CAUSAL, STAGES,
+                                    HALF)
+                c += 1
+            for mb in range(a, hi):
+                dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
+                                    mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, False, CAUSAL, STAGES,
+                                    HALF)
+                c += 1
+        elif FUSED_DQ:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
             for mb in range(lo, hi):
                 dk, dv = _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, h, dk, dv, LSE2, DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0,
@@ -350,10 +436,12 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, 
 
 
 @gluon.jit
-def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE2, DELTA, stride_lb,
+def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, dl_desc, LSE2,
+                                DELTA, stride_lb,
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
                                 DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
+                                KEYS_ROWS: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr = 1,
                                 ACC_SMEM: gl.constexpr = None):
     """Grid (heads per group x SPLIT, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D
@@ -388,25 +476,36 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     n_mb = gl.to_tensor(n_mb)
     n_heads_k = gl.to_tensor(n_heads_k)
-    if FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (dQ at d128, dQᵀ at d64: 64 x 64)
+    if KEYS_ROWS:  # each warpgroup's dSᵀ (two slots; P stays in registers), its fp32 dQ box, each slot's lse2 / delta
+        p_bufs = k_bufs  # not used
+        st_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BM], lse_desc.layout)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
+                                             dq_desc.layout)
+    elif FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (dQ at d128, dQᵀ at d64: 64 x 64)
+        st_bufs = k_bufs  # not used
         p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BM, HALF], DS_SMEM)  # [slot * 2 + warpgroup]
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
                                              dq_desc.layout)
     else:  # not used
         p_bufs = k_bufs
+        st_bufs = k_bufs
         ds_bufs = k_bufs
         dq_stage = k_bufs
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready,
+                                     empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
                                      n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, SPLIT, ACC_SMEM, 0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, kv_bar, ready, empty,
+                                     P_FROM_SMEM, KEYS_ROWS, SPLIT, ACC_SMEM, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready,
+                                     empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
                                      n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, SPLIT, ACC_SMEM, 1)),
-                        (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, ready,
-                                     empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL, STAGES, SPLIT))],
+                                     P_FROM_SMEM, KEYS_ROWS, SPLIT, ACC_SMEM, 1)),
+                        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_bufs, k_bufs,
+                                     v_bufs, st_bufs, kv_bar, ready, empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL,
+                                     STAGES, SPLIT, KEYS_ROWS))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(3):
@@ -448,6 +547,16 @@ def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
     return acc, TensorDescriptor(acc, list(acc.shape), [acc.shape[1], 1], list(box), smem_layout(box, torch.float32))
 
 
+def stats_desc(t: torch.Tensor, bm: int) -> TensorDescriptor:
+    """The TMA descriptor of a (batch, heads, seq) fp32 lse2 or delta as (batch x heads, seq) rows, box 1 x bm: rows
+    padded to 16 bytes (`backward.attention_bwd` allocates them so); reads past seq are zeros."""
+    b, h, n = t.shape
+    if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) % 4 or t.stride(0) != h * t.stride(1):
+        raise ValueError(f"lse2 / delta: need fp32 (batch, heads, seq) rows padded to 16 bytes, got {t.dtype} "
+                         f"strides {t.stride()}")
+    return TensorDescriptor(t, [b * h, n], [t.stride(1), 1], [1, bm], STATS_SMEM)
+
+
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
                 stages: int | None = None) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
@@ -460,6 +569,8 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
     dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device) if dq is not None else (None, k_desc)
+    keys_rows = dq is not None and KEYS_ROWS[d]
+    lse_desc, dl_desc = (stats_desc(lse2, bm), stats_desc(delta, bm)) if keys_rows else (k_desc, k_desc)
     n_kv, n_bh = -(-seq_k // BLOCK_N), batch * hk
     sms = num_sms(q.device)
     split = heads_split(hq // hk, n_kv * n_bh, sms) if dq is not None else 1
@@ -473,10 +584,11 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     launch(  # through runtime.launch, as the forward
         attn_bwd_dkdv_hopper_kernel, (per_group * split, n_kv, n_bh // per_group), None,
         _fwd._desc(q, bm), _fwd._desc(do, bm), k_desc, _fwd._desc(v, HALF_N),
-        dk_desc, dv_desc, dq_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
+        dk_desc, dv_desc, dq_desc, lse_desc, dl_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], CONSUMER_REGS=CONSUMER_REGS,
+        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], KEYS_ROWS=keys_rows,
+        CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
     if split > 1:
         dk.copy_(dk_acc)
