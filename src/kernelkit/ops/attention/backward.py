@@ -45,19 +45,23 @@ POS_INF = tl.constexpr(float("inf"))
 # KERNELKIT_ATTENTION_GLUON_BWD `auto` (GLUON = "auto": where `gluon_auto` says), `1` (True: every call it supports),
 # `0` (False: the Triton kernels).
 GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENTION_GLUON_BWD")]
-# Where "auto" takes it, from stop 43's H100 tables (docs/ops/attention.md): every call at head dim 128 (1.06-1.32x
-# the Triton backward from 4k tokens, 0.90-1.40x at 1k); at 64 without the causal mask from this many queries and keys
-# (1.08-1.16x at 4k-16k, 0.91x at 1k; causal 0.83-0.91x).
+# Where "auto" takes it, from the H100 tables (docs/ops/attention.md). With dQ fused (the default): every call at head
+# dims 64 and 128 (stop 45, keys as rows: 1.02-1.09x cuDNN at d64, kernels alone, 1.25-1.39x the Triton backward with
+# the causal mask). With the Triton dQ kernel (deterministic=True), stop 43: every call at 128 (1.06-1.32x the Triton
+# backward from 4k tokens); at 64 without the causal mask from GLUON_AUTO_D64_MIN_SEQ queries and keys (1.08-1.16x at
+# 4k-16k, 0.91x at 1k; causal 0.83-0.91x).
 GLUON_AUTO_HEAD_DIMS = (128,)
+GLUON_AUTO_FUSED_HEAD_DIMS = (64, 128)
 GLUON_AUTO_D64_MIN_SEQ = 4096
 # ... with dQ in the same kernel, added by TMA reduces (not when the caller asks for determinism: then the Triton dQ
 # kernel, which owns its rows).
 GLUON_FUSED_DQ = True
 
 
-def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int) -> bool:
-    """Whether KERNELKIT_ATTENTION_GLUON_BWD=auto sends this backward to the Gluon kernel (it must also support it)."""
-    if d in GLUON_AUTO_HEAD_DIMS:
+def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int, fused: bool = True) -> bool:
+    """Whether KERNELKIT_ATTENTION_GLUON_BWD=auto sends this backward to the Gluon kernel (it must also support it);
+    `fused`: with dQ in the same kernel (else the Triton dQ kernel follows)."""
+    if d in (GLUON_AUTO_FUSED_HEAD_DIMS if fused else GLUON_AUTO_HEAD_DIMS):
         return True
     return d == 64 and not causal and min(seq_q, seq_k) >= GLUON_AUTO_D64_MIN_SEQ
 
@@ -338,10 +342,11 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
            o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
            *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, *w_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
            HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
-    gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k))) and _hopper_bwd is not None
-             and not interpreting()
+    fused = GLUON_FUSED_DQ and not deterministic
+    gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k, fused)))
+             and _hopper_bwd is not None and not interpreting()
              and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
-    if gluon and GLUON_FUSED_DQ and not deterministic:  # dQ in the same kernel: none of the Triton setup below
+    if gluon and fused:  # dQ in the same kernel: none of the Triton setup below
         dq = empty(q.shape, dtype=q.dtype, device=q.device)
         _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
         return dq, dk, dv

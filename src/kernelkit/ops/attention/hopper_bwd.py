@@ -69,7 +69,7 @@ CONSUMER_REGS, PRODUCER_REGS = 240, 24
 P_FROM_SMEM = {64: False, 128: True}
 # With dQ fused, by head dim: the step with keys as rows (`_step_keys`, FA3's recipe: Sᵀ = K Qᵀ, Pᵀ and dSᵀ the register
 # A operands of dV and dK, only dSᵀ through shared memory, for dQ) instead of queries as rows (`_step_rows`).
-KEYS_ROWS = {64: False, 128: True}
+KEYS_ROWS = {64: True, 128: True}
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
 # so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
@@ -328,17 +328,26 @@ def _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, r
     mbarrier.arrive(ds_bar.index(dslot), count=1)
     dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q, dk, is_async=True)
     mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
+    HEAD_D: gl.constexpr = k.type.shape[1]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 64, 16])
-    dq = gl.zeros([BM, 64], gl.float32, layout=dq_layout)
+    dq = gl.zeros([64, 64], gl.float32, layout=dq_layout)
     for j in gl.static_range(2):  # dS (queries x keys) read transposed from each warpgroup's dSᵀ tile
-        dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j).permute((1, 0)), k_bufs.index(j).slice(HALF * 64, 64, dim=1),
-                           dq, use_acc=j > 0, is_async=True)
+        if HEAD_D == 128:  # all 64 queries, head-dim columns 64 HALF..
+            dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j).permute((1, 0)),
+                               k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq, use_acc=j > 0, is_async=True)
+        else:  # queries 64 HALF.. of BM = 128, every head-dim column
+            gl.static_assert(BM == 128, "keys as rows at head dim 64: 128 queries a step")
+            dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j).slice(HALF * 64, 64, dim=1).permute((1, 0)),
+                               k_bufs.index(j), dq, use_acc=j > 0, is_async=True)
     dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
     mbarrier.arrive(empty.index(slot), count=1)
     tma.store_wait(pendings=0)  # the previous step's reduce has read the staging tile
     gl.thread_barrier()
-    _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    if HEAD_D == 128:
+        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
+    else:
+        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM + HALF * 64, 0, scale)
     return dk, dv
 
 
@@ -378,7 +387,7 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar,
     per = group // SPLIT
     for g in range(part * per, part * per + per):
         h = hk * group + g
-        dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 else HEAD_D)  # dQ buffer row, query block 0
+        dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 or KEYS_ROWS else HEAD_D)  # dQ row, block 0
         if KEYS_ROWS:  # dQ fused, keys as rows: the mask only on the diagonal's blocks
             for mb in range(lo, a):
                 dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
@@ -536,11 +545,11 @@ def heads_split(group: int, programs: int, sms: int) -> int:
     return next((s for s in range(1, group + 1) if group % s == 0 and programs * s >= SPLIT_WAVES * sms), group)
 
 
-def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device):
-    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 queries as
-    rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 dQᵀ tile by tile, (batch, heads, query blocks, d, bm),
-    64 x bm/2 boxes (a warpgroup's share: half the queries)."""
-    if d == 128:
+def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device, keys_rows: bool = False):
+    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 or with keys as
+    rows (`KEYS_ROWS`) queries as rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 with queries as rows dQᵀ
+    tile by tile, (batch, heads, query blocks, d, bm), 64 x bm/2 boxes (a warpgroup's share: half the queries)."""
+    if d == 128 or keys_rows:
         acc, box = torch.zeros(batch * hq * n_mb * bm, d, dtype=torch.float32, device=device), (64, 64)
     else:
         acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, bm // 2)
@@ -568,8 +577,8 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     rows = smem_layout((HALF_N, d), q.dtype)
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
-    dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device) if dq is not None else (None, k_desc)
     keys_rows = dq is not None and KEYS_ROWS[d]
+    dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device, keys_rows) if dq is not None else (None, k_desc)
     lse_desc, dl_desc = (stats_desc(lse2, bm), stats_desc(delta, bm)) if keys_rows else (k_desc, k_desc)
     n_kv, n_bh = -(-seq_k // BLOCK_N), batch * hk
     sms = num_sms(q.device)
@@ -595,7 +604,7 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         dv.copy_(dv_acc)
     if dq is None:
         return
-    if d == 128:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
+    if d == 128 or keys_rows:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
         dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
     else:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d)
         dq.copy_(dq_acc.view(batch, hq, n_mb, d, bm).permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
