@@ -11,14 +11,9 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
 
 `--bwd-variants` adds the Gluon backward forced on at both head dims (`kk-bwd-gluon`: its dK / dV kernel and the
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
-fused, as shipped where `backward.gluon_auto` takes it; `kk-bwd-fused-s3`: 3 ring slots, d64 only;
-`kk-bwd-fused-d64-bm64`: 64-query steps at d64 instead of 128; `kk-bwd-launch-order`: as shipped but causal key
-blocks in launch order, not `hopper_bwd.LONGEST_FIRST`; `kk-bwd-p-regs` / `-p-smem`: as shipped but dS's P held in
-registers / read back from shared memory at both head dims, not as `hopper_bwd.P_FROM_SMEM` says;
-`kk-bwd-fused-p-smem`: the fused Gluon backward forced, d64 with the causal mask included, with P read back;
-`kk-bwd-unsplit`: as shipped but a GQA group's query heads never split over programs at small grids,
-`hopper_bwd.SPLIT_WAVES` 0; `kk-bwd-q-rows`: as shipped but the fused step with queries as rows at every head dim,
-`hopper_bwd.KEYS_ROWS` off). Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with
+fused, as shipped where `backward.gluon_auto` takes it), `kk-bwd-launch-order` (as shipped but causal key blocks in
+launch order, not `hopper_bwd.LONGEST_FIRST`) and `kk-bwd-unsplit` (as shipped but a GQA group's query heads never
+split over programs at small grids, `hopper_bwd.SPLIT_WAVES` 0). Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with
 `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
 backward's switches on each call and leaves them set, so the backward timed after it is its own.
 """
@@ -39,9 +34,8 @@ from kernelkit.testing.bench import kernel_time_ms
 
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
-                   bm128=hopper_bwd.BLOCK_M[128], fused_bm64=hopper_bwd.BLOCK_M_FUSED[64],
-                   longest_first=hopper_bwd.LONGEST_FIRST, p_smem=dict(hopper_bwd.P_FROM_SMEM),
-                   split_waves=hopper_bwd.SPLIT_WAVES, keys_rows=dict(hopper_bwd.KEYS_ROWS))
+                   bm128=hopper_bwd.BLOCK_M[128], longest_first=hopper_bwd.LONGEST_FIRST,
+                   split_waves=hopper_bwd.SPLIT_WAVES)
 
 
 def _bwd_state(**over) -> None:
@@ -51,11 +45,8 @@ def _bwd_state(**over) -> None:
     st = {**SHIPPED_BWD, **{k: v for k, v in over.items() if v is not None}}
     bwd_mod.GLUON, bwd_mod.GLUON_FUSED_DQ, hopper_bwd.STAGES = st["gluon"], st["fused"], st["stages"]
     hopper_bwd.BLOCK_M[128] = st["bm128"]
-    hopper_bwd.BLOCK_M_FUSED[64] = st["fused_bm64"]
     hopper_bwd.LONGEST_FIRST = st["longest_first"]
-    hopper_bwd.P_FROM_SMEM.update(st["p_smem"])
     hopper_bwd.SPLIT_WAVES = st["split_waves"]
-    hopper_bwd.KEYS_ROWS.update(st["keys_rows"])
 
 
 def rows(model_rows: bool = False):
@@ -100,17 +91,15 @@ def _kk(gluon: bool | None):
     return run
 
 
-def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, fused_bm64: int | None = None,
-            longest_first: bool | None = None, gluon: bool | str = True, p_smem: dict | None = None,
-            split_waves: int | None = None, keys_rows: dict | None = None):
+def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, longest_first: bool | None = None,
+            gluon: bool | str = True, split_waves: int | None = None):
     """kernelkit as shipped forward, the Gluon kernel forced in the backward (or `gluon` as the switch takes it), with
     dQ fused (TMA reduces) or from the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128
-    (Triton dQ), `fused_bm64` at d64 (dQ fused), causal key blocks longest first or in launch order, and dS's P from
-    shared memory or registers, and the fused step with keys or queries as rows (`hopper_bwd.KEYS_ROWS`)."""
+    (Triton dQ), causal key blocks longest first or in launch order, and GQA groups split at small grids or not."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
-        _bwd_state(gluon=gluon, fused=fused_dq, stages=stages, bm128=bm128, fused_bm64=fused_bm64,
-                   longest_first=longest_first, p_smem=p_smem, split_waves=split_waves, keys_rows=keys_rows)
+        _bwd_state(gluon=gluon, fused=fused_dq, stages=stages, bm128=bm128, longest_first=longest_first,
+                   split_waves=split_waves)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -184,13 +173,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
     if bwd_variants:
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
-                    "kk-bwd-fused-s3": _kk_bwd(True, stages=3), "kk-bwd-fused-d64-bm64": _kk_bwd(True, fused_bm64=64),
                     "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON),
-                    "kk-bwd-p-regs": _kk_bwd(True, p_smem={64: False, 128: False}, gluon=bwd_mod.GLUON),
-                    "kk-bwd-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}, gluon=bwd_mod.GLUON),
-                    "kk-bwd-fused-p-smem": _kk_bwd(True, p_smem={64: True, 128: True}),
-                    "kk-bwd-unsplit": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON),
-                    "kk-bwd-q-rows": _kk_bwd(True, keys_rows={64: False, 128: False}, gluon=bwd_mod.GLUON)})
+                    "kk-bwd-unsplit": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -355,18 +355,18 @@ bm = B.BLOCK_M_FUSED[d] if fused else B.BLOCK_M[d]
 q, k = (torch.empty(s, dtype=torch.bfloat16) for s in ((2, 200, 4, d), (2, 300, 2, d)))
 lse = torch.empty(2, 4, 200)
 n_mb = -(-200 // bm)
-dq, dq_desc = B.dq_buffer(2, 4, n_mb, d, bm, "cpu", fused and B.KEYS_ROWS[d])
+dq, dq_desc, _ = B.dq_buffer(2, 4, n_mb, d, bm, "cpu")
 args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopper._desc(k, B.HALF_N),
             v_desc=hopper._desc(k, B.HALF_N), dk_desc=hopper._desc(k.float() if split > 1 else k, B.HALF_N),
             dv_desc=hopper._desc(k.float() if split > 1 else k, B.HALF_N),
             dq_desc=dq_desc if fused else hopper._desc(k, B.HALF_N),
-            lse_desc=B.stats_desc(lse, bm) if fused and B.KEYS_ROWS[d] else hopper._desc(k, B.HALF_N),
-            dl_desc=B.stats_desc(lse, bm) if fused and B.KEYS_ROWS[d] else hopper._desc(k, B.HALF_N), LSE2=lse, DELTA=lse, stride_lb=lse.stride(0),
+            lse_desc=B.stats_desc(lse, bm) if fused else hopper._desc(k, B.HALF_N),
+            dl_desc=B.stats_desc(lse, bm) if fused else hopper._desc(k, B.HALF_N), LSE2=lse,
+            DELTA=lse, stride_lb=lse.stride(0),
             stride_lh=lse.stride(1), n_mb=n_mb, seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1,
             scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.DS_SMEM, FUSED_DQ=fused, P_FROM_SMEM=B.P_FROM_SMEM[d],
-             KEYS_ROWS=fused and B.KEYS_ROWS[d],
+             DS_SMEM=B.DS_SMEM, FUSED_DQ=fused,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS, SPLIT=split,
              ACC_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.float32) if split > 1 else None)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
@@ -374,7 +374,7 @@ print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"
 """
 
 
-# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused (keys as rows, `KEYS_ROWS`: at d128 64 queries a step,
+# (d, causal, dq fused) -> spilled bytes allowed. With dQ fused (keys as rows, `_step_keys`: at d128 64 queries a step,
 # dK and dV 128 fp32 registers a thread, Sᵀ and dPᵀ 64; at d64 128 queries, 64 + 128; lse2 and delta read from shared
 # memory where used) ptxas (Triton 3.6) spills at most 40 bytes at d128, 180 causal; 104 / 244 at d64. A bound, so
 # that more fails.
@@ -483,6 +483,32 @@ _SPLIT_BUILDS = {(128, True): 150, (64, True): 260}
 @pytest.mark.parametrize("d,causal", list(_SPLIT_BUILDS))
 def test_sm90_build_of_the_split_backward(d, causal):
     _check_bwd_build((d, int(causal), 1, 2), _SPLIT_BUILDS[(d, causal)])
+
+
+def test_stats_desc_needs_rows_padded_to_16_bytes():
+    # lse2 / delta go to the fused backward by TMA: rows padded to 16 bytes (as attention_bwd allocates them), read as
+    # (batch x heads, seq) with 1 x bm boxes; an unpadded or non-fp32 one is refused by name, not read wrong
+    good = torch.empty(2, 3, 204)[..., :201]
+    d = hopper_bwd.stats_desc(good, 64)
+    assert (d.shape, d.strides, d.block_shape, d.base.data_ptr()) == ([6, 201], [204, 1], [1, 64], good.data_ptr())
+    for bad in (torch.empty(2, 3, 201), torch.empty(2, 3, 204, dtype=torch.float16)[..., :201],
+                torch.empty(3, 2, 204).transpose(0, 1)[..., :201]):
+        with pytest.raises(ValueError, match="lse2 / delta"):
+            hopper_bwd.stats_desc(bad, 64)
+
+
+def test_unvalidated_descriptor_matches_gluons():
+    # runtime.gluon.descriptor skips TensorDescriptor's checks (host time), not its fields: the launcher reads the same
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernelkit.runtime.gluon import descriptor, smem_layout
+
+    t = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16)
+    args = (t, [2, 4, 100, 64], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, 64, 64],
+            smem_layout((1, 1, 64, 64), t.dtype))
+    fast, slow = descriptor(*args), TensorDescriptor(*args)
+    assert type(fast) is TensorDescriptor and vars(fast) == vars(slow)
+    assert vars(hopper._desc(t, 64)) == vars(slow)
 
 
 @pytest.mark.parametrize("group,programs,sms,want", [(4, 128, 132, 4), (4, 1024, 132, 1), (1, 16, 132, 1),

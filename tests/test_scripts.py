@@ -145,16 +145,15 @@ def test_attention_vs_cudnn_knobs_set_and_restore():
         sys.path.pop(0)
     from kernelkit.ops.attention import backward as bwd_mod, hopper_bwd
 
-    shipped = dict(bench.SHIPPED_BWD, p_smem=dict(bench.SHIPPED_BWD["p_smem"]))
+    shipped = dict(bench.SHIPPED_BWD)
     names = bench.impls(False, bwd_variants=True)
-    assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-launch-order", "kk-bwd-p-regs", "kk-bwd-p-smem",
-            "kk-bwd-fused-p-smem", "kk-bwd-unsplit", "kk-bwd-q-rows"} <= set(names)
+    assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-fused", "kk-bwd-launch-order", "kk-bwd-unsplit"} <= set(names)
     try:
-        bench._bwd_state(gluon=True, longest_first=False, p_smem={64: True, 128: False})
+        bench._bwd_state(gluon=True, longest_first=False, split_waves=0, bm128=64)
         assert bwd_mod.GLUON is True and hopper_bwd.LONGEST_FIRST is False
-        assert hopper_bwd.P_FROM_SMEM == {64: True, 128: False}
+        assert hopper_bwd.SPLIT_WAVES == 0 and hopper_bwd.BLOCK_M[128] == 64
         bench._bwd_state()
         assert (bwd_mod.GLUON, hopper_bwd.LONGEST_FIRST) == (shipped["gluon"], shipped["longest_first"])
-        assert hopper_bwd.P_FROM_SMEM == shipped["p_smem"]
+        assert (hopper_bwd.SPLIT_WAVES, hopper_bwd.BLOCK_M[128]) == (shipped["split_waves"], shipped["bm128"])
     finally:
         bench._bwd_state()

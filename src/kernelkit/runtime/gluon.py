@@ -1,5 +1,6 @@
-"""What launching a Gluon kernel needs on the host, made once: the shared-memory layouts of TMA boxes. And
-`tma_reduce_add`, the TMA reduce that Gluon's builder has on Triton 3.6 but its language does not export.
+"""What launching a Gluon kernel needs on the host, made once: the shared-memory layouts of TMA boxes; host TMA
+descriptors without the constructor's re-validation (`descriptor`). And `tma_reduce_add`, the TMA reduce that Gluon's
+builder has on Triton 3.6 but its language does not export.
 
 `gl.NVMMASharedLayout.get_default_for` takes 10-20 us of host time a call; a kernel call that built its
 descriptors' layouts afresh paid that three to six times (the attention forward: 161 us of host time a call on the
@@ -11,6 +12,7 @@ import torch
 from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
              torch.float16: gl.float16, torch.float32: gl.float32}
@@ -23,6 +25,15 @@ def smem_layout(block: tuple, dtype: torch.dtype):
     if got is None:
         got = _LAYOUTS[(block, dtype)] = gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
     return got
+
+
+def descriptor(base: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    """Gluon's host TensorDescriptor without its __post_init__ checks (half its 3-4 us of host time; an attention
+    forward + backward builds 13). The caller has checked what they check: a 16-byte aligned base and strides, a unit
+    last stride, positive sizes, a power-of-two box (`ops.attention.hopper._tma_ok`, or buffers it allocated)."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
+    return d
 
 
 @builtin

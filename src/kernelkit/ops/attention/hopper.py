@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import cdiv, launch, num_sms
-from ...runtime.gluon import smem_layout
+from ...runtime.gluon import descriptor, smem_layout
 from .tiles import tma_compatible
 
 HALF_M = 64  # query rows per consumer warpgroup (wgmma's M is 64 per warpgroup)
@@ -406,12 +406,13 @@ def preferred(d: int, causal: bool, seq_k: int) -> bool:
 
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """The 4-D descriptor (batch, heads, seq, d) over a (batch, seq, heads, d) tensor, box (1, 1, rows, d)."""
+    """The 4-D descriptor (batch, heads, seq, d) over a (batch, seq, heads, d) tensor, box (1, 1, rows, d); `t` passes
+    `_tma_ok` (`supports` checks it; `runtime.gluon.descriptor` does not)."""
     d = t.shape[-1]
     block = [1, 1, rows, d]
     layout = smem_layout((1, 1, rows, d), t.dtype)
-    return TensorDescriptor(t, [t.shape[0], t.shape[2], t.shape[1], d], [t.stride(0), t.stride(2), t.stride(1), 1],
-                            block, layout)
+    return descriptor(t, [t.shape[0], t.shape[2], t.shape[1], d], [t.stride(0), t.stride(2), t.stride(1), 1],
+                      block, layout)
 
 
 def consumers(d: int, causal: bool, seq_q: int) -> int:

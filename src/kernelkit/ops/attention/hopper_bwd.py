@@ -4,35 +4,34 @@ A program owns 128 keys of one KV head. The producer warp copies the two 64-row 
 streams (query, dO) tiles through a ring of STAGES slots with TMA: every query block of every query head of the
 GQA group that the mask lets see these keys. Each consumer warpgroup owns 64 of the keys. Two steps:
 
-**dQ fused** (`dkdv_hopper(..., dq=...)`, `_step_rows`; `backward.GLUON_FUSED_DQ`, where `backward.gluon_auto`
-sends the call), FA3's way, queries as rows, BLOCK_M_FUSED[d] queries a step (64 at d128, 128 at d64):
+**dQ fused** (`dkdv_hopper(..., dq=...)`, `_step_keys`; `backward.GLUON_FUSED_DQ`, where `backward.gluon_auto`
+sends the call), FlashAttention-3's recipe with keys as rows, BLOCK_M_FUSED[d] queries a step (64 at d128, 128 at
+d64):
 
-    S  = Q Kᵀ,  P = exp2(S·scale2 - lse2)     (lse2 and delta: 2 or 4 registers a thread)
-    dP = dO Vᵀ, dS = P (dP - delta)
-    dV += Pᵀ dO,  dK += dSᵀ Q                 (P and dS through shared memory, read transposed)
-    dQ += dS K                                (both warpgroups' dS: an mbarrier; each takes half of dQ)
+    Sᵀ = K Qᵀ,  Pᵀ = exp2(Sᵀ·scale2 - lse2)    (lse2, delta: TMA'd into the ring with Q and dO, read where used)
+    dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta)
+    dV += Pᵀ dO,  dK += dSᵀ Q                   (Pᵀ, dSᵀ rounded to 16 bits: register A operands)
+    dQ += dS K                                  (dSᵀ through shared memory, both warpgroups': an mbarrier)
 
-Each warpgroup's share of dQ (64 head-dim columns at d128; dQᵀ of half the queries at d64) goes through a shared fp32
-staging tile and one TMA reduce-add (`runtime.gluon.tma_reduce_add`; Gluon on Triton 3.6 has the op in its
-builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into dq at the end. Not deterministic
-(the order of the adds): `deterministic=True` takes the other step.
+Each warpgroup's share of dQ (64 head-dim columns of the 64 queries at d128, 64 of the 128 queries at d64) goes
+through a shared fp32 staging tile and one TMA reduce-add (`runtime.gluon.tma_reduce_add`; Gluon on Triton 3.6 has
+the op in its builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into dq at the end. Not
+deterministic (the order of the adds): `deterministic=True` takes the other step. lse2 and delta rows are padded to
+16 bytes for TMA (`stats_desc`); rows past seqlen_q read zeros (Q and dO rows there are zeros too: they add nothing).
 
-**dQ from the Triton dQ kernel** (`_step`, keys as rows, BLOCK_M[d] queries: 64 at d64, 32 at d128): Sᵀ = K Qᵀ,
-Pᵀ and dSᵀ stay in registers as the A operands of dV += Pᵀ dO and dK += dSᵀ Q; `backward.attn_bwd_dq_kernel`
-recomputes P and dP per query block and owns its rows: bitwise reproducible.
+**dQ from the Triton dQ kernel** (`_step`, keys as rows, BLOCK_M[d] queries: 64 at d64, 32 at d128): as above
+without dQ, lse2 and delta loaded from global memory; `backward.attn_bwd_dq_kernel` recomputes P and dP per query
+block and owns its rows: bitwise reproducible.
 
-At d128 dS takes P back from its 16-bit shared tile rather than holding P's fp32 registers across dP and dV
-(`P_FROM_SMEM`: fewer spills). dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and
-TMA stores. With the causal mask the grid runs key block 0 (the longest) of a group of heads first
-(`LONGEST_FIRST`, `_kv_block`). `SPLIT_WAVES` splits a GQA group's query heads over programs
-at small grids, dK and dV then added by fp32 TMA reduces (`heads_split`).
+dK (times the softmax scale) and dV leave through the K / V halves' shared tiles and TMA stores. With the causal mask
+the grid runs key block 0 (the longest) of a group of heads first (`LONGEST_FIRST`, `_kv_block`). `SPLIT_WAVES`
+splits a GQA group's query heads over programs at small grids, dK and dV then added by fp32 TMA reduces
+(`heads_split`).
 
-H100 (docs/ops/attention.md, stops 43-44): dQ fused is 1.19-1.46x the all-Triton backward at d128 (stop 43) and
-0.91-0.94x cuDNN from 4k tokens, kernels alone (stop 44); at d64 1.08-1.16x without the causal mask at 4k-16k,
-0.83-0.91x with it and at 1k, where the Triton backward stays (`KERNELKIT_ATTENTION_GLUON_BWD`,
-`backward.gluon_auto`). The same
-fused step with Sᵀ (keys as rows) and `red.global.add` from registers measured 0.81-0.95x the Triton dQ kernel's
-backward (stop 42): 16 registers a thread for each per-query vector at 64 queries, and atomics that stall.
+H100 (docs/ops/attention.md, stop 45), kernels alone: 0.93-1.01x cuDNN at d128, 1.02-1.09x at d64, 1.04x and 1.16x at
+the Llama-3-8B and 3.2-1B shapes (GQA 32/8, 2048 tokens, causal). Stop 44's step with queries as rows (P and dS
+through shared memory, SS wgmmas for dV and dK) measured 0.92-0.96x this one at d128 and 0.72-0.91x at d64; stop 42's
+fused step with keys as rows but dQ by `red.global.add` from registers 0.81-0.95x the Triton dQ kernel's backward.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -50,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...runtime import launch, num_sms
-from ...runtime.gluon import smem_layout, tma_reduce_add
+from ...runtime.gluon import descriptor, smem_layout, tma_reduce_add
 from . import hopper as _fwd
 
 HALF_N = 64  # keys per consumer warpgroup
@@ -58,18 +57,9 @@ BLOCK_N = 2 * HALF_N
 # Queries per step with the Triton dQ kernel, by head dim: at d128 64 spilled (dK, dV: 64 + 64 fp32 registers a
 # thread, and the 64 x 64 score tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
-BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_rows`)
+BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_keys`)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
-# With dQ fused, by head dim: dS = P (dP - delta) takes P back from its 16-bit shared tile (written for dV) instead of
-# holding its fp32 registers while dP and dV run. ptxas (Triton 3.6) then spills 40 bytes at d128 instead of 148 (120
-# instead of 296 causal; d64 224 / 296 instead of 284 / 524). P enters dS rounded to 16 bits, as it enters dV. H100,
-# kernels alone (benchmarks/experiments/h100/2026-11-26-stop44): d128 causal rows 1.03-1.09x, the others within
-# +-3%; d64 0.95x, so off there.
-P_FROM_SMEM = {64: False, 128: True}
-# With dQ fused, by head dim: the step with keys as rows (`_step_keys`, FA3's recipe: Sᵀ = K Qᵀ, Pᵀ and dSᵀ the register
-# A operands of dV and dK, only dSᵀ through shared memory, for dQ) instead of queries as rows (`_step_rows`).
-KEYS_ROWS = {64: True, 128: True}
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
 # so programs in launch order (a head's blocks, then the next head's) leave the last head's longest blocks for the
 # tail. LONGEST_FIRST walks heads in groups of about as many as run at once in that order (SMs / key blocks: the same
@@ -118,9 +108,9 @@ def _kv_block(SPLIT: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_bufs, k_bufs, v_bufs, st_bufs, kv_bar,
               ready, empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, KEYS_ROWS: gl.constexpr):
+              SPLIT: gl.constexpr, FUSED_DQ: gl.constexpr):
     """One warp: K and V halves once, then (Q, dO) of every query block of the program's heads of the group, and with
-    KEYS_ROWS the block's lse2 and delta (TMA zero-fills rows past seqlen_q)."""
+    FUSED_DQ the block's lse2 and delta (TMA zero-fills rows past seqlen_q)."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     kv, bh, part = _kv_block(SPLIT)
     n0 = kv * (2 * HALF)
@@ -144,7 +134,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_buf
             slot = c % STAGES
             mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if KEYS_ROWS:
+            if FUSED_DQ:
                 mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + 2 * lse_desc.block_type.nbytes)
                 st_row = (b * n_heads_k * group + h)
@@ -210,88 +200,13 @@ def _step(k_bufs, v, q_bufs, do_bufs, ready, empty, c, mb, h, dk, dv, zero_s, ke
 
 
 @gluon.jit
-def _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c, mb, h, dk, dv, LSE2,
-               DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0, shift, scale, scale2, MASKED: gl.constexpr,
-               CAUSAL: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, P_FROM_SMEM: gl.constexpr):
-    """One 64-query block for one warpgroup's 64 keys with queries as rows and dQ fused, FA3's way: S = Q Kᵀ and
-    dP = dO Vᵀ (64 x 64) hold the per-query lse and delta in 2 registers a thread, not 16 as Sᵀ does; P and dS go
-    through shared memory for dV += Pᵀ dO and dK += dSᵀ Q; once both warpgroups' dS are in, this warpgroup adds its
-    share of dQ = dS K over all 128 keys by one TMA reduce: 64 head-dim columns at d128, dQᵀ of half the queries
-    at d64."""
-    BM: gl.constexpr = q_bufs.type.shape[1]
-    k = k_bufs.index(HALF)
-    HALF_N: gl.constexpr = k.type.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF_N, 16])
-    slot = c % STAGES
-    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-    q = q_bufs.index(slot)
-    do = do_bufs.index(slot)
-    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([BM, HALF_N], gl.float32, layout=s_layout), use_acc=False,
-                      is_async=True)
-    rows = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # query positions
-    l_off = l_base + h.to(gl.int64) * stride_lh
-    lse2 = gl.load(LSE2 + l_off + rows, mask=rows < seqlen_q, other=POS_INF)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if MASKED:  # a key right of a query's diagonal: its score is -inf, its probability 0
-        if CAUSAL:
-            keys = n0 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(keys - shift, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
-    p = gl.exp2(s * scale2 - gl.expand_dims(lse2, 1))
-    dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([BM, HALF_N], gl.float32, layout=s_layout), use_acc=False,
-                       is_async=True)
-    p_s = p_bufs.index(HALF)
-    p_s.store(p.to(q_bufs.dtype))  # the previous step's dV, its reader, was waited
-    fence_async_shared()
-    gl.thread_barrier()
-    dv = warpgroup_mma(p_s.permute((1, 0)), do, dv, is_async=True)
-    delta = gl.load(DELTA + l_off + rows, mask=rows < seqlen_q, other=0.0)
-    dp, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dp, dv))
-    if P_FROM_SMEM:  # P read back in 16 bits: its fp32 registers are free while dP and dV are in flight
-        p = p_s.load(s_layout).to(gl.float32)
-    ds = (p * (dp - gl.expand_dims(delta, 1))).to(q_bufs.dtype)
-    dslot = c % 2  # two slots: a warpgroup a step ahead never overwrites what the other still reads
-    ds_s = ds_bufs.index(dslot * 2 + HALF)
-    ds_s.store(ds)
-    fence_async_shared()
-    gl.thread_barrier()  # the whole warpgroup's stores, before one thread arrives
-    mbarrier.arrive(ds_bar.index(dslot), count=1)
-    dk = warpgroup_mma(ds_s.permute((1, 0)), q, dk, is_async=True)
-    mbarrier.wait(ds_bar.index(dslot), (c // 2) & 1)
-    HEAD_D: gl.constexpr = k.type.shape[1]
-    if HEAD_D == 128:  # dQ's head-dim columns 64 HALF.. of these 64 queries, over all 128 keys
-        dq = gl.zeros([BM, 64], gl.float32, layout=s_layout)
-        for j in gl.static_range(2):
-            dq = warpgroup_mma(ds_bufs.index(dslot * 2 + j), k_bufs.index(j).slice(HALF * 64, 64, dim=1), dq,
-                               use_acc=j > 0, is_async=True)
-    else:  # dQᵀ = Kᵀ dSᵀ for queries NQ HALF.. (rows of dS: a K-major B, sliced without crossing a swizzle)
-        NQ: gl.constexpr = BM // 2
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, NQ, 16])
-        dq = gl.zeros([HEAD_D, NQ], gl.float32, layout=dq_layout)
-        for j in gl.static_range(2):
-            dq = warpgroup_mma(k_bufs.index(j).permute((1, 0)),
-                               ds_bufs.index(dslot * 2 + j).slice(HALF * NQ, NQ, dim=0).permute((1, 0)), dq,
-                               use_acc=j > 0, is_async=True)
-    dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
-    mbarrier.arrive(empty.index(slot), count=1)
-    tma.store_wait(pendings=0)  # the previous step's reduce has read the staging tile
-    gl.thread_barrier()
-    if HEAD_D == 128:
-        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * BM, HALF * 64, scale)
-    else:
-        _dq_put(dq, dq_stage.index(HALF), dq_desc, dq_tile + mb * HEAD_D, HALF * (BM // 2), scale)
-    return dk, dv
-
-
-@gluon.jit
 def _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c, mb, dk, dv, keys,
                dq_desc, dq_tile, shift, scale, scale2, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                STAGES: gl.constexpr, HALF: gl.constexpr):
-    """One query block for one warpgroup's 64 keys with keys as rows and dQ fused (head dim 128), FA3's order: Sᵀ = K Qᵀ
+    """One query block for one warpgroup's 64 keys with keys as rows and dQ fused, FA3's order: Sᵀ = K Qᵀ
     and dPᵀ = V dOᵀ; Pᵀ and dSᵀ, rounded to 16 bits in registers, are the A operands of dV += Pᵀ dO and dK += dSᵀ Q;
     dSᵀ also goes to shared memory, and once both warpgroups' are in, this warpgroup adds dQ = dS K over all 128 keys
-    for its 64 head-dim columns by one TMA reduce. lse2 and delta come from the ring's shared memory (the producer's
+    for its 64 head-dim columns (d128) or its 64 of the 128 queries (d64) by one TMA reduce. lse2 and delta come from the ring's shared memory (the producer's
     TMA), read as vectors right where they are used: registers only while they are."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     acc_layout: gl.constexpr = dk.type.layout
@@ -352,12 +267,11 @@ def _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, r
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
+def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty, dk_desc,
               dv_desc, LSE2,
               DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-              P_FROM_SMEM: gl.constexpr, KEYS_ROWS: gl.constexpr, SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr,
-              HALF: gl.constexpr):
+              SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
     query block of the program's heads of the group. SPLIT > 1: dk_desc / dv_desc address fp32 buffers that the
     programs sharing these keys add into (ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile)."""
@@ -387,8 +301,8 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar,
     per = group // SPLIT
     for g in range(part * per, part * per + per):
         h = hk * group + g
-        dq_tile = (b * n_heads_q + h) * n_mb * (BM if HEAD_D == 128 or KEYS_ROWS else HEAD_D)  # dQ row, block 0
-        if KEYS_ROWS:  # dQ fused, keys as rows: the mask only on the diagonal's blocks
+        dq_tile = (b * n_heads_q + h) * n_mb * BM  # dQ buffer row of query block 0
+        if FUSED_DQ:  # the mask only on the diagonal's blocks
             for mb in range(lo, a):
                 dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, True, CAUSAL, STAGES,
@@ -398,12 +312,6 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar,
                 dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, False, CAUSAL, STAGES,
                                     HALF)
-                c += 1
-        elif FUSED_DQ:  # one loop: the causal mask is applied on every block (all-true right of the diagonal's blocks)
-            for mb in range(lo, hi):
-                dk, dv = _step_rows(k_bufs, v, q_bufs, do_bufs, p_bufs, ds_bufs, ds_bar, dq_stage, ready, empty, c,
-                                    mb, h, dk, dv, LSE2, DELTA, dq_desc, l_base, dq_tile, stride_lh, seqlen_q, n0,
-                                    shift, scale, scale2, True, CAUSAL, STAGES, HALF, P_FROM_SMEM)
                 c += 1
         else:
             for mb in range(lo, a):
@@ -449,15 +357,14 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 DELTA, stride_lb,
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, P_FROM_SMEM: gl.constexpr,
-                                KEYS_ROWS: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr = 1,
                                 ACC_SMEM: gl.constexpr = None):
     """Grid (heads per group x SPLIT, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D
-    shared layout of every 64-row box; DS_SMEM: that of a warpgroup's P and dS tiles (queries x 64 keys). FUSED_DQ:
-    dQ too (`_step_rows`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of
-    `dq_buffer`; else the caller runs the Triton dQ kernel and dq_desc is not read. P_FROM_SMEM: see the module
-    constant. SPLIT > 1 (`heads_split`): dk_desc / dv_desc address zeroed fp32 buffers, added into by TMA reduces;
+    shared layout of every 64-row box; DS_SMEM: that of a warpgroup's dSᵀ tiles (64 keys x queries). FUSED_DQ: dQ too
+    (`_step_keys`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`,
+    lse2 and delta by TMA through lse_desc / dl_desc (`stats_desc`); else the caller runs the Triton dQ kernel and
+    dq_desc, lse_desc and dl_desc are not read. SPLIT > 1 (`heads_split`): dk_desc / dv_desc address zeroed fp32 buffers, added into by TMA reduces;
     ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -485,36 +392,26 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
     stride_lh = gl.to_tensor(stride_lh)
     n_mb = gl.to_tensor(n_mb)
     n_heads_k = gl.to_tensor(n_heads_k)
-    if KEYS_ROWS:  # each warpgroup's dSᵀ (two slots; P stays in registers), its fp32 dQ box, each slot's lse2 / delta
-        p_bufs = k_bufs  # not used
+    if FUSED_DQ:  # each warpgroup's dSᵀ (two slots; P stays in registers), its fp32 dQ box, each slot's lse2 / delta
         st_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BM], lse_desc.layout)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, BM], DS_SMEM)  # [slot * 2 + warpgroup]
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
                                              dq_desc.layout)
-    elif FUSED_DQ:  # each warpgroup's P and dS (two slots), and its fp32 dQ box (dQ at d128, dQᵀ at d64: 64 x 64)
-        st_bufs = k_bufs  # not used
-        p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HALF], DS_SMEM)
-        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BM, HALF], DS_SMEM)  # [slot * 2 + warpgroup]
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, dq_desc.block_type.shape[0], dq_desc.block_type.shape[1]],
-                                             dq_desc.layout)
     else:  # not used
-        p_bufs = k_bufs
         st_bufs = k_bufs
         ds_bufs = k_bufs
         dq_stage = k_bufs
-    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready,
-                                     empty,
+    gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, KEYS_ROWS, SPLIT, ACC_SMEM, 0)),
-                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, p_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready,
-                                     empty,
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, SPLIT,
+                                     ACC_SMEM, 0)),
+                        (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
-                                     P_FROM_SMEM, KEYS_ROWS, SPLIT, ACC_SMEM, 1)),
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, SPLIT,
+                                     ACC_SMEM, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_bufs, k_bufs,
                                      v_bufs, st_bufs, kv_bar, ready, empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL,
-                                     STAGES, SPLIT, KEYS_ROWS))],
+                                     STAGES, SPLIT, FUSED_DQ))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(3):
@@ -545,15 +442,13 @@ def heads_split(group: int, programs: int, sms: int) -> int:
     return next((s for s in range(1, group + 1) if group % s == 0 and programs * s >= SPLIT_WAVES * sms), group)
 
 
-def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device, keys_rows: bool = False):
-    """The zeroed fp32 buffer the kernel adds dQ into, as a 2-D tensor, and its TMA descriptor. At d128 or with keys as
-    rows (`KEYS_ROWS`) queries as rows, (batch, heads, n_mb * bm, d), 64 x 64 boxes; at d64 with queries as rows dQᵀ
-    tile by tile, (batch, heads, query blocks, d, bm), 64 x bm/2 boxes (a warpgroup's share: half the queries)."""
-    if d == 128 or keys_rows:
-        acc, box = torch.zeros(batch * hq * n_mb * bm, d, dtype=torch.float32, device=device), (64, 64)
-    else:
-        acc, box = torch.zeros(batch * hq * n_mb * d, bm, dtype=torch.float32, device=device), (64, bm // 2)
-    return acc, TensorDescriptor(acc, list(acc.shape), [acc.shape[1], 1], list(box), smem_layout(box, torch.float32))
+def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device, extra: int = 0):
+    """The zeroed fp32 buffer the kernel adds dQ into, (batch x heads x n_mb x bm, d), 64 x 64 boxes, and its TMA
+    descriptor; with `extra`, also a zeroed fp32 tensor of that many elements (the split's dK / dV: one launch)."""
+    n = batch * hq * n_mb * bm * d
+    flat = torch.zeros(n + extra, dtype=torch.float32, device=device)
+    acc = flat[:n].view(-1, d)
+    return acc, descriptor(acc, list(acc.shape), [d, 1], [64, 64], smem_layout((64, 64), torch.float32)), flat[n:]
 
 
 def stats_desc(t: torch.Tensor, bm: int) -> TensorDescriptor:
@@ -563,7 +458,7 @@ def stats_desc(t: torch.Tensor, bm: int) -> TensorDescriptor:
     if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) % 4 or t.stride(0) != h * t.stride(1):
         raise ValueError(f"lse2 / delta: need fp32 (batch, heads, seq) rows padded to 16 bytes, got {t.dtype} "
                          f"strides {t.stride()}")
-    return TensorDescriptor(t, [b * h, n], [t.stride(1), 1], [1, bm], STATS_SMEM)
+    return descriptor(t, [b * h, n], [t.stride(1), 1], [1, bm], STATS_SMEM)
 
 
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
@@ -577,15 +472,17 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     rows = smem_layout((HALF_N, d), q.dtype)
     n_mb = -(-seq_q // bm)
     k_desc = _fwd._desc(k, HALF_N)
-    keys_rows = dq is not None and KEYS_ROWS[d]
-    dq_acc, dq_desc = dq_buffer(batch, hq, n_mb, d, bm, q.device, keys_rows) if dq is not None else (None, k_desc)
-    lse_desc, dl_desc = (stats_desc(lse2, bm), stats_desc(delta, bm)) if keys_rows else (k_desc, k_desc)
     n_kv, n_bh = -(-seq_k // BLOCK_N), batch * hk
     sms = num_sms(q.device)
     split = heads_split(hq // hk, n_kv * n_bh, sms) if dq is not None else 1
     per_group = heads_per_group(n_kv * split, n_bh, sms) if causal and LONGEST_FIRST else 1
+    if dq is not None:  # dQ's fp32 buffer, and the split's dK / dV ones, zeroed by one launch
+        dq_acc, dq_desc, rest = dq_buffer(batch, hq, n_mb, d, bm, q.device, 2 * k.numel() if split > 1 else 0)
+        lse_desc, dl_desc = stats_desc(lse2, bm), stats_desc(delta, bm)
+    else:
+        dq_desc = lse_desc = dl_desc = k_desc  # not read
     if split > 1:  # dK / dV added into fp32 buffers by the programs sharing each key block
-        dk_acc, dv_acc = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (dk, dv))
+        dk_acc, dv_acc = rest[:k.numel()].view(k.shape), rest[k.numel():].view(k.shape)
         dk_desc, dv_desc = _fwd._desc(dk_acc, HALF_N), _fwd._desc(dv_acc, HALF_N)
         acc_smem = smem_layout((HALF_N, d), torch.float32)
     else:
@@ -596,15 +493,11 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         dk_desc, dv_desc, dq_desc, lse_desc, dl_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, P_FROM_SMEM=P_FROM_SMEM[d], KEYS_ROWS=keys_rows,
-        CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
+        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
     if split > 1:
         dk.copy_(dk_acc)
         dv.copy_(dv_acc)
     if dq is None:
         return
-    if d == 128 or keys_rows:  # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
-        dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
-    else:  # (batch, heads, blocks, d, bm) -> (batch, blocks * bm, heads, d)
-        dq.copy_(dq_acc.view(batch, hq, n_mb, d, bm).permute(0, 2, 4, 1, 3).reshape(batch, n_mb * bm, hq, d)[:, :seq_q])
+    # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
+    dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
