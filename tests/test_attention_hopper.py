@@ -497,6 +497,46 @@ def test_stats_desc_needs_rows_padded_to_16_bytes():
             hopper_bwd.stats_desc(bad, 64)
 
 
+@pytest.mark.parametrize("waves", [10 ** 6, 0], ids=["split", "unsplit"])
+def test_dkdv_hopper_host_plumbing(waves, monkeypatch):
+    # Host logic of the fused backward with the launch faked: the "kernel" writes known values into the buffers its
+    # descriptors address (dQ rows by query block, the split's fp32 dK / dV); dkdv_hopper must hand back exactly those
+    # in dq / dk / dv. dQ's buffer and the split's dK / dV share one zeroed allocation and must not overlap.
+    b, sq, sk, hq, hk, d = 2, 200, 300, 4, 2, 64
+    q, do = torch.randn(b, sq, hq, d, dtype=torch.bfloat16), torch.randn(b, sq, hq, d, dtype=torch.bfloat16)
+    k, v = torch.randn(b, sk, hk, d, dtype=torch.bfloat16), torch.randn(b, sk, hk, d, dtype=torch.bfloat16)
+    stats = torch.randn(2, b, hq, 204)[..., :sq]
+    dq, dk, dv = torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    seen = {}
+
+    def fake_launch(kernel, grid, key, *args, **kw):
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, dl_desc = args[:9]
+        seen.update(grid=grid, split=kw["SPLIT"], lse=lse_desc, dl=dl_desc)
+        bufs = [dq_desc.base] + ([dk_desc.base, dv_desc.base] if kw["SPLIT"] > 1 else [])
+        assert all(t.dtype == torch.float32 and not t.any() for t in bufs)  # zeroed
+        spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in bufs)
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))  # disjoint
+        g = torch.Generator().manual_seed(3)
+        for t in bufs:
+            t.copy_(torch.randn(t.shape, generator=g))
+        seen["bufs"] = [t.clone() for t in bufs]
+
+    monkeypatch.setattr(hopper_bwd, "launch", fake_launch)
+    monkeypatch.setattr(hopper_bwd, "num_sms", lambda device: 132)
+    monkeypatch.setattr(hopper_bwd, "SPLIT_WAVES", waves)
+    hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, stats[0], stats[1], True, 0.125, dq=dq)
+    bm = hopper_bwd.BLOCK_M_FUSED[d]
+    n_mb = -(-sq // bm)
+    want_dq = seen["bufs"][0].view(b, hq, n_mb * bm, d)[:, :, :sq].transpose(1, 2)
+    torch.testing.assert_close(dq, want_dq.to(dq.dtype), rtol=0, atol=0)
+    assert seen["split"] == (2 if waves else 1)  # a group of 2 query heads: split in 2 programs, or not
+    if waves:
+        torch.testing.assert_close(dk, seen["bufs"][1].to(dk.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(dv, seen["bufs"][2].to(dv.dtype), rtol=0, atol=0)
+    assert (seen["lse"].base.data_ptr(), seen["dl"].base.data_ptr()) == (stats[0].data_ptr(), stats[1].data_ptr())
+    assert seen["lse"].block_shape == [1, bm] and seen["lse"].shape == [b * hq, sq]
+
+
 def test_unvalidated_descriptor_matches_gluons():
     # runtime.gluon.descriptor skips TensorDescriptor's checks (host time), not its fields: the launcher reads the same
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
