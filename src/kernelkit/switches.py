@@ -38,9 +38,10 @@ SWITCHES = {s.name: s for s in (
            "`0`: attention's forward on Hopper uses the Triton kernel instead of the Gluon warp-specialized one"),
     Switch("KERNELKIT_ATTENTION_GLUON_BWD", "auto", ("auto", "0", "1"), "import",
            "attention's backward on Hopper through the Gluon warp-specialized kernel (dQ fused by TMA reduces): "
-           "`auto` at head dim 128 (1.06-1.32x the Triton backward on the H100 at 4k-16k tokens) and at 64 "
-           "without the causal mask from 4k tokens (1.08-1.16x), `1` everywhere it applies, `0` never (the Triton "
-           "kernels; docs/ops/attention.md, stop 43)"),
+           "`auto` at head dims 64 and 128 (on the H100 1.02-1.10x cuDNN's backward at d64, 0.93-1.01x at d128, "
+           "kernels alone; with `deterministic=True`, dQ from the Triton kernel: at 128, and at 64 without the "
+           "causal mask from 4k tokens), `1` everywhere it applies, `0` never (the Triton kernels; "
+           "docs/ops/attention.md, stop 45)"),
     Switch("KERNELKIT_MOE_WGRAD", "grouped_mm", ("grouped_mm", "triton"), "import",
            "MoE bf16 weight gradients: torch's grouped GEMM (cuBLAS) or kernelkit's Triton kernel"),
     Switch("KERNELKIT_MOE_KEEP_SAVED", "0", ("0", "1"), "import",

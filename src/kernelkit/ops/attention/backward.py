@@ -46,7 +46,7 @@ POS_INF = tl.constexpr(float("inf"))
 # `0` (False: the Triton kernels).
 GLUON = {"auto": "auto", "1": True, "0": False}[switches.value("KERNELKIT_ATTENTION_GLUON_BWD")]
 # Where "auto" takes it, from the H100 tables (docs/ops/attention.md). With dQ fused (the default): every call at head
-# dims 64 and 128 (stop 45, keys as rows: 1.02-1.09x cuDNN at d64, kernels alone, 1.25-1.39x the Triton backward with
+# dims 64 and 128 (stop 45, keys as rows: 1.02-1.10x cuDNN at d64, kernels alone, 1.35-1.50x the Triton backward with
 # the causal mask). With the Triton dQ kernel (deterministic=True), stop 43: every call at 128 (1.06-1.32x the Triton
 # backward from 4k tokens); at 64 without the causal mask from GLUON_AUTO_D64_MIN_SEQ queries and keys (1.08-1.16x at
 # 4k-16k, 0.91x at 1k; causal 0.83-0.91x).

@@ -28,10 +28,11 @@ the grid runs key block 0 (the longest) of a group of heads first (`LONGEST_FIRS
 splits a GQA group's query heads over programs at small grids, dK and dV then added by fp32 TMA reduces
 (`heads_split`).
 
-H100 (docs/ops/attention.md, stop 45), kernels alone: 0.93-1.01x cuDNN at d128, 1.02-1.09x at d64, 1.04x and 1.16x at
+H100 (docs/ops/attention.md, stop 45), kernels alone: 0.93-1.01x cuDNN at d128, 1.02-1.10x at d64, 1.04x and 1.16x at
 the Llama-3-8B and 3.2-1B shapes (GQA 32/8, 2048 tokens, causal). Stop 44's step with queries as rows (P and dS
-through shared memory, SS wgmmas for dV and dK) measured 0.92-0.96x this one at d128 and 0.72-0.91x at d64; stop 42's
-fused step with keys as rows but dQ by `red.global.add` from registers 0.81-0.95x the Triton dQ kernel's backward.
+through shared memory, SS wgmmas for dV and dK) measured 0.92-0.95x this one at d128 and 0.84-0.85x at d64 without the
+mask; stop 42's fused step with keys as rows but dQ by `red.global.add` from registers and lse / delta held in
+registers 0.81-0.95x the Triton dQ kernel's backward.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -69,7 +70,8 @@ LONGEST_FIRST = True
 # would otherwise fill fewer than SPLIT_WAVES waves (`heads_split`): each program adds its dK / dV share into zeroed
 # fp32 buffers by TMA reduces (as dQ), cast into dk / dv at the end. At b1 h32/8 s2048 the unsplit causal grid is 8 KV
 # heads x 16 key blocks = 128 programs for 132 SMs, the longest with 4 x 32 steps. H100, kernels alone (stop 45,
-# benchmarks/experiments/h100/2026-11-26-stop45): there 1.40x (292 vs 209 TFLOP/s; cuDNN 303); 0 turns it off.
+# benchmarks/experiments/h100/2026-11-26-stop45, on stop 44's step): there 1.40x (292 vs 209 TFLOP/s; cuDNN 303); 0
+# turns it off.
 SPLIT_WAVES = 2
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
