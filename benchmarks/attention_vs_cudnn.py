@@ -11,11 +11,13 @@ the op's cost model (4·d per attended pair and head; backward 2.5x). Backward =
 
 `--bwd-variants` adds the Gluon backward forced on at both head dims (`kk-bwd-gluon`: its dK / dV kernel and the
 Triton dQ kernel; `kk-bwd-gluon-s3`: 3 ring slots; `kk-bwd-gluon-bm64`: 64-query steps at d128; `kk-bwd-fused`: dQ
-fused, as shipped where `backward.gluon_auto` takes it), `kk-bwd-launch-order` (as shipped but causal key blocks in
-launch order, not `hopper_bwd.LONGEST_FIRST`) and `kk-bwd-unsplit` (as shipped but a GQA group's query heads never
-split over programs at small grids, `hopper_bwd.SPLIT_WAVES` 0). Rows `eager` (SDPA with its own backend choice, as a model calls it) and, with
-`--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit implementation sets all the
-backward's switches on each call and leaves them set, so the backward timed after it is its own.
+fused, as shipped where `backward.gluon_auto` takes it) and, as shipped but for one knob, `kk-bwd-launch-order`
+(causal key blocks in launch order, not `hopper_bwd.LONGEST_FIRST`), `kk-bwd-unsplit` (a GQA group's query heads
+never split over programs at small grids, `hopper_bwd.SPLIT_WAVES` 0) and `kk-bwd-one-loop` (the causal fused step in
+one loop, the mask on every step: `hopper_bwd.ONE_LOOP`). Rows `eager` (SDPA with its own backend choice, as a
+model calls it) and, with `--flex`, `flex` (FlexAttention under torch.compile) are torch's own. Every kernelkit
+implementation sets all the backward's switches on each call and leaves them set, so the backward timed after it is
+its own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kernelkit.testing.bench import kernel_time_ms
 # The backward's knobs as shipped (KERNELKIT_ATTENTION_GLUON_BWD and hopper_bwd's constants).
 SHIPPED_BWD = dict(gluon=bwd_mod.GLUON, fused=bwd_mod.GLUON_FUSED_DQ, stages=hopper_bwd.STAGES,
                    bm128=hopper_bwd.BLOCK_M[128], longest_first=hopper_bwd.LONGEST_FIRST,
-                   split_waves=hopper_bwd.SPLIT_WAVES)
+                   split_waves=hopper_bwd.SPLIT_WAVES, one_loop=hopper_bwd.ONE_LOOP)
 
 
 def _bwd_state(**over) -> None:
@@ -47,6 +49,7 @@ def _bwd_state(**over) -> None:
     hopper_bwd.BLOCK_M[128] = st["bm128"]
     hopper_bwd.LONGEST_FIRST = st["longest_first"]
     hopper_bwd.SPLIT_WAVES = st["split_waves"]
+    hopper_bwd.ONE_LOOP = st["one_loop"]
 
 
 def rows(model_rows: bool = False):
@@ -92,14 +95,15 @@ def _kk(gluon: bool | None):
 
 
 def _kk_bwd(fused_dq: bool, stages: int | None = None, bm128: int | None = None, longest_first: bool | None = None,
-            gluon: bool | str = True, split_waves: int | None = None):
+            gluon: bool | str = True, split_waves: int | None = None, one_loop: bool | None = None):
     """kernelkit as shipped forward, the Gluon kernel forced in the backward (or `gluon` as the switch takes it), with
     dQ fused (TMA reduces) or from the Triton dQ kernel, `stages` (Q, dO) ring slots, `bm128` queries a step at d128
-    (Triton dQ), causal key blocks longest first or in launch order, and GQA groups split at small grids or not."""
+    (Triton dQ), causal key blocks longest first or in launch order, GQA groups split at small grids or not, and the
+    causal fused step in one loop or two (`hopper_bwd.ONE_LOOP`)."""
     def run(q, k, v, causal):
         fwd_mod.GLUON = True
         _bwd_state(gluon=gluon, fused=fused_dq, stages=stages, bm128=bm128, longest_first=longest_first,
-                   split_waves=split_waves)
+                   split_waves=split_waves, one_loop=one_loop)
         return attention(q, k, v, causal=causal)
     return run
 
@@ -174,7 +178,8 @@ def impls(want_fa4: bool, stages=(), variants=False, consumers=(), bwd_variants=
         got.update({"kk-bwd-gluon": _kk_bwd(False), "kk-bwd-fused": _kk_bwd(True),
                     "kk-bwd-gluon-s3": _kk_bwd(False, stages=3), "kk-bwd-gluon-bm64": _kk_bwd(False, bm128=64),
                     "kk-bwd-launch-order": _kk_bwd(True, longest_first=False, gluon=bwd_mod.GLUON),
-                    "kk-bwd-unsplit": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON)})
+                    "kk-bwd-unsplit": _kk_bwd(True, split_waves=0, gluon=bwd_mod.GLUON),
+                    "kk-bwd-one-loop": _kk_bwd(True, one_loop=True, gluon=bwd_mod.GLUON)})
     if want_fa4:
         try:
             got["fa4"] = _fa4()

@@ -352,6 +352,7 @@ from kernelkit.testing.compile_check import compile_gluon
 d, causal, fused = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 split = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 bm = B.BLOCK_M_FUSED[d] if fused else B.BLOCK_M[d]
+one_loop = len(sys.argv) > 5 and sys.argv[5] == "1"
 q, k = (torch.empty(s, dtype=torch.bfloat16) for s in ((2, 200, 4, d), (2, 300, 2, d)))
 lse = torch.empty(2, 4, 200)
 n_mb = -(-200 // bm)
@@ -366,7 +367,7 @@ args = dict(q_desc=hopper._desc(q, bm), do_desc=hopper._desc(q, bm), k_desc=hopp
             stride_lh=lse.stride(1), n_mb=n_mb, seqlen_q=200, seqlen_k=300, n_heads_k=2, group=2, scale=0.1,
             scale2=0.2)
 const = dict(CAUSAL=causal, STAGES=B.STAGES, ROWS_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.bfloat16),
-             DS_SMEM=B.DS_SMEM, FUSED_DQ=fused,
+             DS_SMEM=B.DS_SMEM, FUSED_DQ=fused, ONE_LOOP=fused and causal and one_loop,
              CONSUMER_REGS=B.CONSUMER_REGS, PRODUCER_REGS=B.PRODUCER_REGS, SPLIT=split,
              ACC_SMEM=gl.NVMMASharedLayout.get_default_for([B.HALF_N, d], gl.float32) if split > 1 else None)
 r = compile_gluon(B.attn_bwd_dkdv_hopper_kernel, args, const)
@@ -380,14 +381,17 @@ print(json.dumps({"shared": r["shared"], "ptxas": r["ptxas"], "rc": r["ptxas_rc"
 # that more fails.
 _BWD_BUILDS = {(128, True, False): 0, (64, False, False): 0, (128, True, True): 200, (64, False, True): 130,
                (64, True, True): 270, (128, False, True): 60}
+# (d,) -> spilled bytes allowed with `ONE_LOOP` (causal, dQ fused): 68 at d128, 172 at d64.
+_ONE_LOOP_BUILDS = {128: 100, 64: 200}
 
 
-def _check_bwd_build(argv, max_spill):
-    """_BUILD_BWD with `argv` (d, causal, fused[, split]): ptxas succeeds, shared memory within the SM's 227 KiB, no
-    C7514, and at most `max_spill` bytes spilled."""
+def _check_bwd_build(argv, max_spill, one_loop=False):
+    """_BUILD_BWD with `argv` (d, causal, fused[, split]) and `hopper_bwd.ONE_LOOP`: ptxas succeeds, shared memory
+    within the SM's 227 KiB, no C7514, and at most `max_spill` bytes spilled."""
     import json
 
-    run = compile_check.run_uninterpreted(_BUILD_BWD, argv, timeout=600)
+    full = (*argv[:3], argv[3] if len(argv) > 3 else 1, int(one_loop))  # split 1 unless given
+    run = compile_check.run_uninterpreted(_BUILD_BWD, full, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0 and r["shared"] <= 227 * 1024, r["ptxas"]
@@ -401,19 +405,29 @@ def test_sm90_build_of_the_backward_fits_without_spills(d, causal, fused):
     _check_bwd_build((d, int(causal), int(fused)), _BWD_BUILDS[(d, causal, fused)])
 
 
+@pytest.mark.parametrize("d", list(_ONE_LOOP_BUILDS))
+def test_sm90_build_of_the_one_loop_backward(d):
+    _check_bwd_build((d, 1, 1), _ONE_LOOP_BUILDS[d], one_loop=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-@pytest.mark.parametrize("fused_dq,bm128", [(False, 32), (False, 64), (True, 32)],
-                         ids=["dq-triton", "dq-triton-bm64", "dq-fused"])
-def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, bm128, monkeypatch):
-    # bm128: queries per step at head dim 128 with the Triton dQ kernel (dQ fused: 64, queries as rows)
+@pytest.mark.parametrize("fused_dq,bm128,one_loop", [(False, 32, False), (False, 64, False), (True, 32, False),
+                                                    (True, 32, True)],
+                         ids=["dq-triton", "dq-triton-bm64", "dq-fused", "dq-fused-one-loop"])
+def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, bm128, one_loop, monkeypatch):
+    # bm128: queries per step at head dim 128 with the Triton dQ kernel (dQ fused: BLOCK_M_FUSED, keys as rows);
+    # one_loop: `hopper_bwd.ONE_LOOP` (dQ fused with the causal mask: one loop, the mask on every step)
     b, sq, sk, hq, hk, d, dtype, causal = case
     from kernelkit.ops.attention import backward as bwd_mod
 
     if d != 128 and bm128 != 32:
         pytest.skip("bm128 changes head dim 128 only")
+    if one_loop and not causal:
+        pytest.skip("ONE_LOOP changes causal calls only")
     monkeypatch.setitem(hopper_bwd.BLOCK_M, 128, bm128)
+    monkeypatch.setattr(hopper_bwd, "ONE_LOOP", one_loop)
     calls = []
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)

@@ -147,13 +147,16 @@ def test_attention_vs_cudnn_knobs_set_and_restore():
 
     shipped = dict(bench.SHIPPED_BWD)
     names = bench.impls(False, bwd_variants=True)
-    assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-fused", "kk-bwd-launch-order", "kk-bwd-unsplit"} <= set(names)
+    assert {"kernelkit", "cudnn", "fa2", "eager", "kk-bwd-fused", "kk-bwd-launch-order", "kk-bwd-unsplit",
+            "kk-bwd-one-loop"} <= set(names)
     try:
-        bench._bwd_state(gluon=True, longest_first=False, split_waves=0, bm128=64)
+        bench._bwd_state(gluon=True, longest_first=False, split_waves=0, bm128=64, one_loop=not shipped["one_loop"])
         assert bwd_mod.GLUON is True and hopper_bwd.LONGEST_FIRST is False
+        assert hopper_bwd.ONE_LOOP is not shipped["one_loop"]
         assert hopper_bwd.SPLIT_WAVES == 0 and hopper_bwd.BLOCK_M[128] == 64
         bench._bwd_state()
         assert (bwd_mod.GLUON, hopper_bwd.LONGEST_FIRST) == (shipped["gluon"], shipped["longest_first"])
         assert (hopper_bwd.SPLIT_WAVES, hopper_bwd.BLOCK_M[128]) == (shipped["split_waves"], shipped["bm128"])
+        assert hopper_bwd.ONE_LOOP is shipped["one_loop"]
     finally:
         bench._bwd_state()

@@ -69,8 +69,8 @@ def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int, fused: bool = True)
 @triton.jit
 def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, stride_ob, stride_os, stride_oh,
                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_wb, stride_wh,
-                               seqlen_q, n_heads_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
-                               VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+                               seqlen_q, n_heads_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads_q, pid_bh % n_heads_q
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS, b, seqlen_q, VARLEN)

@@ -73,6 +73,11 @@ LONGEST_FIRST = True
 # benchmarks/experiments/h100/2026-11-26-stop45, on stop 44's step): there 1.40x (292 vs 209 TFLOP/s; cuDNN 303); 0
 # turns it off.
 SPLIT_WAVES = 2
+# With dQ fused and the causal mask: one loop over a key block's query blocks, the mask applied on every step (the
+# compare and select cost little; all-true past the diagonal), instead of a masked loop and an unmasked one. ptxas
+# (Triton 3.6) spills 68 bytes at d128 instead of 156-180, 172 at d64 instead of 224-244: built in stop 45 after the
+# device time was spent, so off until measured (`benchmarks/attention_vs_cudnn.py --bwd-variants`, `kk-bwd-one-loop`).
+ONE_LOOP = False
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
 # a warpgroup's dQ reads half of their rows. 64-byte swizzle; made once (host time).
@@ -208,8 +213,9 @@ def _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, r
     """One query block for one warpgroup's 64 keys with keys as rows and dQ fused, FA3's order: Sᵀ = K Qᵀ
     and dPᵀ = V dOᵀ; Pᵀ and dSᵀ, rounded to 16 bits in registers, are the A operands of dV += Pᵀ dO and dK += dSᵀ Q;
     dSᵀ also goes to shared memory, and once both warpgroups' are in, this warpgroup adds dQ = dS K over all 128 keys
-    for its 64 head-dim columns (d128) or its 64 of the 128 queries (d64) by one TMA reduce. lse2 and delta come from the ring's shared memory (the producer's
-    TMA), read as vectors right where they are used: registers only while they are."""
+    for its 64 head-dim columns (d128) or its 64 of the 128 queries (d64) by one TMA reduce. lse2 and delta come from
+    the ring's shared memory (the producer's TMA), read as vectors right where they are used: registers only while
+    they are."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     acc_layout: gl.constexpr = dk.type.layout
     k = k_bufs.index(HALF)
@@ -273,7 +279,7 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar,
               dv_desc, LSE2,
               DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k, n_mb, group, seqlen_q, seqlen_k,
               scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
-              SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr, HALF: gl.constexpr):
+              ONE_LOOP: gl.constexpr, SPLIT: gl.constexpr, ACC_SMEM: gl.constexpr, HALF: gl.constexpr):
     """One warpgroup: keys [n0 + 64 HALF, +64) of the program's block (`_kv_block`); dK and dV accumulate over every
     query block of the program's heads of the group. SPLIT > 1: dk_desc / dv_desc address fp32 buffers that the
     programs sharing these keys add into (ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile)."""
@@ -304,7 +310,13 @@ def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar,
     for g in range(part * per, part * per + per):
         h = hk * group + g
         dq_tile = (b * n_heads_q + h) * n_mb * BM  # dQ buffer row of query block 0
-        if FUSED_DQ:  # the mask only on the diagonal's blocks
+        if FUSED_DQ and ONE_LOOP:  # the mask on every step (`ONE_LOOP`)
+            for mb in range(lo, hi):
+                dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
+                                    mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, CAUSAL, CAUSAL, STAGES,
+                                    HALF)
+                c += 1
+        elif FUSED_DQ:  # the mask only on the diagonal's blocks
             for mb in range(lo, a):
                 dk, dv = _step_keys(k_bufs, v, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, dq_stage, ready, empty, c,
                                     mb, dk, dv, keys, dq_desc, dq_tile, shift, scale, scale2, True, CAUSAL, STAGES,
@@ -359,15 +371,16 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
                                 DELTA, stride_lb,
                                 stride_lh, n_mb, seqlen_q, seqlen_k, n_heads_k, group,
                                 scale, scale2, CAUSAL: gl.constexpr, STAGES: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr,
+                                DS_SMEM: gl.constexpr, FUSED_DQ: gl.constexpr, ONE_LOOP: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr = 1,
                                 ACC_SMEM: gl.constexpr = None):
     """Grid (heads per group x SPLIT, key blocks of 128, groups of batch x KV heads): `_kv_block`. ROWS_SMEM: the 2-D
     shared layout of every 64-row box; DS_SMEM: that of a warpgroup's dSᵀ tiles (64 keys x queries). FUSED_DQ: dQ too
     (`_step_keys`, BLOCK_M_FUSED queries), added by TMA reduces through dq_desc into the fp32 buffer of `dq_buffer`,
     lse2 and delta by TMA through lse_desc / dl_desc (`stats_desc`); else the caller runs the Triton dQ kernel and
-    dq_desc, lse_desc and dl_desc are not read. SPLIT > 1 (`heads_split`): dk_desc / dv_desc address zeroed fp32 buffers, added into by TMA reduces;
-    ACC_SMEM: the 2-D layout of a [64, head_dim] fp32 tile."""
+    dq_desc, lse_desc and dl_desc are not read. ONE_LOOP: see the module constant. SPLIT > 1 (`heads_split`):
+    dk_desc / dv_desc address zeroed fp32 buffers, added into by TMA reduces; ACC_SMEM: the 2-D layout of a
+    [64, head_dim] fp32 tile."""
     HALF: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -405,15 +418,15 @@ def attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_des
         dq_stage = k_bufs
     gl.warp_specialize([(_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, SPLIT,
-                                     ACC_SMEM, 0)),
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     ONE_LOOP, SPLIT, ACC_SMEM, 0)),
                         (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, st_bufs, ds_bar, kv_bar, ready, empty,
                                      dk_desc, dv_desc, LSE2, DELTA, dq_desc, dq_stage, stride_lb, stride_lh, n_heads_k,
-                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ, SPLIT,
-                                     ACC_SMEM, 1)),
+                                     n_mb, group, seqlen_q, seqlen_k, scale, scale2, CAUSAL, STAGES, FUSED_DQ,
+                                     ONE_LOOP, SPLIT, ACC_SMEM, 1)),
                         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_bufs, do_bufs, k_bufs,
-                                     v_bufs, st_bufs, kv_bar, ready, empty, n_heads_k, group, seqlen_q, seqlen_k, CAUSAL,
-                                     STAGES, SPLIT, FUSED_DQ))],
+                                     v_bufs, st_bufs, kv_bar, ready, empty, n_heads_k, group, seqlen_q, seqlen_k,
+                                     CAUSAL, STAGES, SPLIT, FUSED_DQ))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(3):
@@ -495,7 +508,8 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         dk_desc, dv_desc, dq_desc, lse_desc, dl_desc, lse2, delta, lse2.stride(0), lse2.stride(1),
         n_mb, seq_q, seq_k, hk, hq // hk, scale, scale * 1.4426950408889634,
         CAUSAL=bool(causal), STAGES=stages or STAGES, ROWS_SMEM=rows, DS_SMEM=DS_SMEM,
-        FUSED_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
+        FUSED_DQ=dq is not None, ONE_LOOP=ONE_LOOP and dq is not None and bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, ACC_SMEM=acc_smem, num_warps=4)
     if split > 1:
         dk.copy_(dk_acc)
         dv.copy_(dv_acc)
