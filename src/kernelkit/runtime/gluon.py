@@ -28,9 +28,10 @@ def smem_layout(block: tuple, dtype: torch.dtype):
 
 
 def descriptor(base: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
-    """Gluon's host TensorDescriptor without its __post_init__ checks (half its 3-4 us of host time; an attention
-    forward + backward builds 13). The caller has checked what they check: a 16-byte aligned base and strides, a unit
-    last stride, positive sizes, a power-of-two box (`ops.attention.hopper._tma_ok`, or buffers it allocated)."""
+    """Gluon's host TensorDescriptor without its __post_init__ checks (half of its 3-4 us of host time; an attention
+    forward + backward builds 13). The caller must have checked what they cover: a 16-byte aligned base and strides,
+    a unit last stride, positive sizes, a power-of-two box (`ops.attention.hopper._tma_ok`, or buffers it allocated).
+    The fields are the constructor's, so Triton's launcher reads it the same way."""
     d = object.__new__(TensorDescriptor)
     d.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
     return d
