@@ -31,7 +31,7 @@ for (b, sq, sk, hq, hk, d, causal) in [(1, 333, 1200, 8, 2, 128, True), (1, 1200
     for fused, bm in [(False, 32), (False, 64), (True, 32)]:
         if d != 128 and bm != 32:
             continue
-        hopper_bwd.BLOCK_M[128] = bm  # with the Triton dQ kernel; dQ fused steps 64 queries as rows
+        hopper_bwd.BLOCK_M[128] = bm  # with the Triton dQ kernel; dQ fused: BLOCK_M_FUSED queries, keys as rows
         got = grads(q, k, v, do, causal, True, fused)
         torch.cuda.synchronize()
         err = [float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want)]

@@ -325,13 +325,10 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
     bd = block_d(d)
-    if varlen:
-        delta = empty(lse.shape, dtype=torch.float32, device=q.device)
-        lse2 = empty(lse.shape, dtype=torch.float32, device=q.device)
-    else:  # rows padded to 16 bytes: the Gluon kernel reads query blocks of them by TMA
-        pad = -(-seq_q // 4) * 4
-        delta = empty((batch, hq, pad), dtype=torch.float32, device=q.device)[..., :seq_q]
-        lse2 = empty((batch, hq, pad), dtype=torch.float32, device=q.device)[..., :seq_q]
+    # lse's shape, rows padded to 16 bytes: the Gluon kernel reads query blocks of them by TMA
+    n = lse.shape[-1]
+    delta, lse2 = (empty((*lse.shape[:-1], -(-n // 4) * 4), dtype=torch.float32, device=q.device)[..., :n]
+                   for _ in range(2))
     dlse = dlse.contiguous() if dlse is not None else None
     lse = lse.contiguous()
     ls = lse.stride()
