@@ -67,10 +67,14 @@ def gluon_auto(d: int, causal: bool, seq_q: int, seq_k: int, fused: bool = True)
 
 
 @triton.jit
-def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, stride_ob, stride_os, stride_oh,
+def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, DQ_ACC, stride_ob, stride_os, stride_oh,
                                stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_wb, stride_wh,
-                               seqlen_q, n_heads_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                               HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+                               seqlen_q, n_heads_q, acc_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
+                               BLOCK_M: tl.constexpr):
+    """delta and lse2 of each query row; with ZERO_DQ also zeroes those rows of the Gluon kernel's fp32 dQ buffer
+    (DQ_ACC: (batch x heads, acc_rows, HEAD_DIM) contiguous; rows past seqlen_q are never read back), one launch
+    less than a separate fill."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads_q, pid_bh % n_heads_q
     q_start, seqlen_q = sequence_bounds(CU_SEQLENS, b, seqlen_q, VARLEN)
@@ -89,6 +93,10 @@ def attn_bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, CU_SEQLENS, stride
     wptr = b64 * stride_wb + h * stride_wh + tok  # DELTA and LSE2: their own (row-padded) strides
     tl.store(DELTA + wptr, delta, mask=rows < seqlen_q)
     tl.store(LSE2 + wptr, tl.where(lse == NEG_INF, POS_INF, lse * LOG2E), mask=rows < seqlen_q)
+    if ZERO_DQ:
+        acc = DQ_ACC + pid_bh.to(tl.int64) * acc_rows * HEAD_DIM
+        tl.store(acc + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
 
 
 @triton.jit
@@ -327,25 +335,28 @@ def attention_bwd(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: t
     bd = block_d(d)
     # lse's shape, rows padded to 16 bytes: the Gluon kernel reads query blocks of them by TMA
     n = lse.shape[-1]
-    delta, lse2 = (empty((*lse.shape[:-1], -(-n // 4) * 4), dtype=torch.float32, device=q.device)[..., :n]
-                   for _ in range(2))
+    delta, lse2 = empty((2, *lse.shape[:-1], -(-n // 4) * 4), dtype=torch.float32, device=q.device)[..., :n].unbind(0)
     dlse = dlse.contiguous() if dlse is not None else None
     lse = lse.contiguous()
     ls = lse.stride()
     l_strides = (0, ls[0]) if varlen else ls[:2]  # lse's and dlse's
     w_strides = (0, delta.stride(0)) if varlen else delta.stride()[:2]  # delta's and lse2's
-    rows = 16 if interpreting() else 64
-    launch(attn_bwd_preprocess_kernel, (cdiv(seq_q, rows), batch * hq), None,
-           o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
-           *row_strides(o, varlen), *row_strides(do, varlen), *l_strides, *w_strides, seq_q, hq, HEAD_DIM=d, BLOCK_D=bd,
-           HAS_DLSE=dlse is not None, VARLEN=varlen, BLOCK_M=rows, num_warps=4)
     fused = GLUON_FUSED_DQ and not deterministic
     gluon = ((GLUON is True or (GLUON == "auto" and gluon_auto(d, causal, seq_q, seq_k, fused)))
              and _hopper_bwd is not None and not interpreting()
              and _hopper_bwd.supports(q, k, v, o, do, dk, dv, causal, window, softcap, varlen))
-    if gluon and fused:  # dQ in the same kernel: none of the Triton setup below
+    # dQ fused: the Gluon kernel adds into an fp32 buffer that the preprocess kernel zeroes
+    fused_acc = _hopper_bwd.dq_buffer(batch, hq, seq_q, d, q.device, zeroed=False) if gluon and fused else None
+    rows = 16 if interpreting() else 64
+    launch(attn_bwd_preprocess_kernel, (cdiv(seq_q, rows), batch * hq), None,
+           o, do, lse, dlse if dlse is not None else lse, delta, lse2, cu_seqlens if varlen else q,
+           fused_acc[0] if fused_acc is not None else lse, *row_strides(o, varlen), *row_strides(do, varlen), *l_strides,
+           *w_strides, seq_q, hq, fused_acc[0].shape[0] // (batch * hq) if fused_acc is not None else 0, HEAD_DIM=d,
+           BLOCK_D=bd, HAS_DLSE=dlse is not None, VARLEN=varlen, ZERO_DQ=fused_acc is not None, BLOCK_M=rows,
+           num_warps=4)
+    if fused_acc is not None:  # dQ in the same kernel: none of the Triton setup below
         dq = empty(q.shape, dtype=q.dtype, device=q.device)
-        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq)
+        _hopper_bwd.dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal, scale, dq=dq, dq_acc=fused_acc)
         return dq, dk, dv
     tma = use_tma(q, k, v, do, dk, dv, varlen=varlen)
     separate_faster = gluon or (d >= SEPARATE_DQ_MIN_HEAD_DIM and seq_k >= SEPARATE_DQ_MIN_SEQ_K)

@@ -344,16 +344,16 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return o.zero_(), lse.fill_(float("-inf"))
     decode = (not varlen and seq_q <= DECODE_MAX_SEQ_Q and seq_k >= DECODE_MIN_SEQ_K
               and seq_q * block_d(d) <= DECODE_MAX_ROWS_X_D)
+    if (not decode and GLUON and _hopper is not None and not interpreting() and _hopper.preferred(d, causal, seq_k)
+            and _hopper.supports(q, k, v, o, causal, window, softcap, varlen)):  # first: none of the Triton setup
+        _hopper.attention_fwd_hopper(q, k, v, o, lse, causal, _score_args(scale, softcap)[0])
+        return o, lse
     tma = use_tma(q, k, v, o, varlen=varlen, prefer_pointers=not decode and seq_k <= POINTER_MAX_SEQ_K)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), HAS_WINDOW=window is not None,
                   HAS_SOFTCAP=softcap is not None, USE_TMA=tma)
     score = (*_score_args(scale, softcap), window or 0)
     if decode:
         _decode(q, k, v, o, lse, batch, seq_q, seq_k, score, common)
-        return o, lse
-    if (GLUON and _hopper is not None and not interpreting() and _hopper.preferred(d, causal, seq_k)
-            and _hopper.supports(q, k, v, o, causal, window, softcap, varlen)):
-        _hopper.attention_fwd_hopper(q, k, v, o, lse, causal, score[0])
         return o, lse
     sq_, sk_, lq = row_strides(q, varlen), row_strides(k, varlen), lse.stride()
     grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * hq)  # noqa: E731

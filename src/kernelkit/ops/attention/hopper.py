@@ -408,11 +408,9 @@ def preferred(d: int, causal: bool, seq_k: int) -> bool:
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """The 4-D descriptor (batch, heads, seq, d) over a (batch, seq, heads, d) tensor, box (1, 1, rows, d); `t` passes
     `_tma_ok` (`supports` checks it; `runtime.gluon.descriptor` does not)."""
-    d = t.shape[-1]
-    block = [1, 1, rows, d]
-    layout = smem_layout((1, 1, rows, d), t.dtype)
-    return descriptor(t, [t.shape[0], t.shape[2], t.shape[1], d], [t.stride(0), t.stride(2), t.stride(1), 1],
-                      block, layout)
+    b, s, h, d = t.shape
+    st = t.stride()
+    return descriptor(t, [b, h, s, d], [st[0], st[2], st[1], 1], [1, 1, rows, d], smem_layout((1, 1, rows, d), t.dtype))
 
 
 def consumers(d: int, causal: bool, seq_q: int) -> int:

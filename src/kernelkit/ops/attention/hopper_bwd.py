@@ -15,7 +15,8 @@ d64):
 
 Each warpgroup's share of dQ (64 head-dim columns of the 64 queries at d128, 64 of the 128 queries at d64) goes
 through a shared fp32 staging tile and one TMA reduce-add (`runtime.gluon.tma_reduce_add`; Gluon on Triton 3.6 has
-the op in its builder, not its language) into a zeroed fp32 buffer (`dq_buffer`), copied into dq at the end. Not
+the op in its builder, not its language) into an fp32 buffer (`dq_buffer`; `backward.attention_bwd` has the
+preprocess kernel zero it), cast into dq at the end by `dq_convert_kernel`. Not
 deterministic (the order of the adds): `deterministic=True` takes the other step. lse2 and delta rows are padded to
 16 bytes for TMA (`stats_desc`); rows past seqlen_q read zeros (Q and dO rows there are zeros too: they add nothing).
 
@@ -43,6 +44,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -59,6 +62,7 @@ BLOCK_N = 2 * HALF_N
 # thread, and the 64 x 64 score tiles); at d64 the accumulators are half that.
 BLOCK_M = {64: 64, 128: 32}
 BLOCK_M_FUSED = {64: 128, 128: 64}  # with dQ fused (`_step_keys`)
+CONVERT_ELEMENTS = 8192  # fp32 elements of dQ's buffer a `dq_convert_kernel` program casts (128 rows at d64)
 STAGES = 2
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # With the causal mask a key block's work falls with its index (block 0 sees every query, the last one block's worth),
@@ -457,13 +461,31 @@ def heads_split(group: int, programs: int, sms: int) -> int:
     return next((s for s in range(1, group + 1) if group % s == 0 and programs * s >= SPLIT_WAVES * sms), group)
 
 
-def dq_buffer(batch: int, hq: int, n_mb: int, d: int, bm: int, device, extra: int = 0):
-    """The zeroed fp32 buffer the kernel adds dQ into, (batch x heads x n_mb x bm, d), 64 x 64 boxes, and its TMA
-    descriptor; with `extra`, also a zeroed fp32 tensor of that many elements (the split's dK / dV: one launch)."""
-    n = batch * hq * n_mb * bm * d
-    flat = torch.zeros(n + extra, dtype=torch.float32, device=device)
-    acc = flat[:n].view(-1, d)
-    return acc, descriptor(acc, list(acc.shape), [d, 1], [64, 64], smem_layout((64, 64), torch.float32)), flat[n:]
+def dq_buffer(batch: int, hq: int, seq_q: int, d: int, device, zeroed: bool = True):
+    """The fp32 buffer the fused kernel adds dQ into, (batch x heads x n_mb x BLOCK_M_FUSED[d], d) rows, and its TMA
+    descriptor (64 x 64 boxes). `zeroed=False`: left for the caller to zero (`backward.attention_bwd` has the
+    preprocess kernel do it); only rows below seq_q of each head are read back (`dq_convert_kernel`)."""
+    bm = BLOCK_M_FUSED[d]
+    acc = (torch.zeros if zeroed else torch.empty)((batch * hq * -(-seq_q // bm) * bm, d), dtype=torch.float32,
+                                                   device=device)
+    return acc, descriptor(acc, list(acc.shape), [d, 1], [64, 64], smem_layout((64, 64), torch.float32))
+
+
+@triton.jit
+def dq_convert_kernel(ACC, DQ, stride_b, stride_s, stride_h, seqlen_q, n_heads_q, acc_rows, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """dq (batch, seq, heads, d) in its dtype from `dq_buffer`'s fp32 rows (acc_rows a head): one pass, in place of
+    a transposing copy (torch's strided copy ran at ~1.9 TB/s on the H100)."""
+    pid_bh = tl.program_id(1)
+    b, h = pid_bh // n_heads_q, pid_bh % n_heads_q
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < seqlen_q)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    acc = tl.load(ACC + pid_bh.to(tl.int64) * acc_rows * HEAD_DIM + r64 * HEAD_DIM + cols[None, :], mask=mask,
+                  eviction_policy="evict_first")
+    tl.store(DQ + b.to(tl.int64) * stride_b + r64 * stride_s + h * stride_h + cols[None, :],
+             acc.to(DQ.dtype.element_ty), mask=mask)
 
 
 def stats_desc(t: torch.Tensor, bm: int) -> TensorDescriptor:
@@ -477,10 +499,11 @@ def stats_desc(t: torch.Tensor, bm: int) -> TensorDescriptor:
 
 
 def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq=None,
-                stages: int | None = None) -> None:
+                stages: int | None = None, dq_acc=None) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
     (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by TMA reduces into a
-    zeroed fp32 buffer (`dq_buffer`) that is then copied into `dq`. `supports` checked by the caller."""
+    zeroed fp32 buffer (`dq_buffer`; `dq_acc`: one the caller made and zeroed) that `dq_convert_kernel` then casts
+    into `dq`. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
     bm = BLOCK_M_FUSED[d] if dq is not None else BLOCK_M[d]
@@ -491,13 +514,13 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
     sms = num_sms(q.device)
     split = heads_split(hq // hk, n_kv * n_bh, sms) if dq is not None else 1
     per_group = heads_per_group(n_kv * split, n_bh, sms) if causal and LONGEST_FIRST else 1
-    if dq is not None:  # dQ's fp32 buffer, and the split's dK / dV ones, zeroed by one launch
-        dq_acc, dq_desc, rest = dq_buffer(batch, hq, n_mb, d, bm, q.device, 2 * k.numel() if split > 1 else 0)
+    if dq is not None:
+        dq_acc, dq_desc = dq_acc if dq_acc is not None else dq_buffer(batch, hq, seq_q, d, q.device)
         lse_desc, dl_desc = stats_desc(lse2, bm), stats_desc(delta, bm)
     else:
         dq_desc = lse_desc = dl_desc = k_desc  # not read
-    if split > 1:  # dK / dV added into fp32 buffers by the programs sharing each key block
-        dk_acc, dv_acc = rest[:k.numel()].view(k.shape), rest[k.numel():].view(k.shape)
+    if split > 1:  # dK / dV added into zeroed fp32 buffers by the programs sharing each key block
+        dk_acc, dv_acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device).unbind(0)
         dk_desc, dv_desc = _fwd._desc(dk_acc, HALF_N), _fwd._desc(dv_acc, HALF_N)
         acc_smem = smem_layout((HALF_N, d), torch.float32)
     else:
@@ -515,5 +538,6 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
         dv.copy_(dv_acc)
     if dq is None:
         return
-    # (batch, heads, n_mb * bm, d) -> (batch, seq, heads, d), cast while copied
-    dq.copy_(dq_acc.view(batch, hq, n_mb * bm, d)[:, :, :seq_q].transpose(1, 2))
+    rows_per_prog = CONVERT_ELEMENTS // d
+    launch(dq_convert_kernel, (-(-seq_q // rows_per_prog), batch * hq), None, dq_acc, dq, dq.stride(0), dq.stride(1),
+           dq.stride(2), seq_q, hq, n_mb * bm, HEAD_DIM=d, BLOCK_M=rows_per_prog, num_warps=4)
