@@ -245,6 +245,34 @@ def test_every_trial_runs(family, monkeypatch):
 
 
 @needs_kernels
+def test_attention_is_timed_in_flight(monkeypatch):
+    """The attention trial times patch.attention.IN_FLIGHT calls back to back per sample (a step's host runs ahead of
+    the GPU: a call costs the longer of its host and GPU times); the other switches' trials one at a time."""
+    from kernelkit.patch import attention as patch_attention
+
+    seen, kind = [], []
+    real_choice = choose._measure_choice
+
+    def measure_choice(site, key, shape):
+        kind.append(site.kind)
+        return real_choice(site, key, shape)
+
+    def measure(trial):
+        seen.append((kind[-1], trial.in_flight))
+        return 1.0, 2.0
+
+    monkeypatch.setattr(choose, "can_measure", lambda: True)
+    monkeypatch.setattr(choose, "_measure_choice", measure_choice)
+    monkeypatch.setattr(choose, "measure", measure)
+    model = tiny_model("llama", dtype=torch.bfloat16, layers=1)
+    patch(model)
+    model.train()
+    model(batch()[0], labels=batch()[1]).loss.backward()
+    assert patch_attention.IN_FLIGHT > 1
+    assert ("attention", patch_attention.IN_FLIGHT) in seen and all(n == 1 for k, n in seen if k != "attention"), seen
+
+
+@needs_kernels
 @pytest.mark.parametrize("winner", ["original", "kernelkit"])
 def test_fp8_linears_run_in_fp8_only_where_measured_faster(winner, fake_timer, monkeypatch):
     """precision="fp8": each Linear shape is a decision of its own; where bf16 measured faster the model's own

@@ -43,6 +43,12 @@ from .modules import DTENSOR_REASON, any_dtensor
 NAME = "kernelkit"
 # What kernelkit.ops.attention.attention takes (its validate() raises otherwise): calls outside fall back.
 MAX_HEAD_DIM = 256
+# Calls timed back to back per sample of the attention trial (choose.Trial.in_flight): in a training step the host
+# runs ahead of the GPU, so a call costs the longer of its host and GPU times, not their sum. Timed one at a time, the
+# fused backward's host time (about 0.6 ms a forward + backward on the H100 machine's CPU, SDPA's 0.3) decided: the
+# patch kept SDPA at the Llama-3.2-1B shape (1.33x) where forcing kernelkit made the step 1.4 ms faster (37.0 vs 35.6
+# ms, benchmarks/experiments/h100/2026-11-27-stop46).
+IN_FLIGHT = 8
 DTYPES = (torch.bfloat16, torch.float16)
 # Keyword arguments that change the math in ways the kernel does not compute (attention sinks, biases,
 # flash-attention's flattened-batch offsets).
@@ -335,7 +341,7 @@ def _trial(module, key) -> choose.Trial:
     return choose.Trial(
         lambda: _kernel(module, q, k, v, runs, causal, scaling, sliding_window, softcap, {})[0],
         lambda: _fallback(module, q, k, v, mask, 0.0, scaling, sliding_window, softcap, causal, {})[0],
-        [q, k, v] if grad else [])
+        [q, k, v] if grad else [], in_flight=IN_FLIGHT)
 
 
 def _shape(key) -> str:
