@@ -29,11 +29,12 @@ the grid runs key block 0 (the longest) of a group of heads first (`LONGEST_FIRS
 splits a GQA group's query heads over programs at small grids, dK and dV then added by fp32 TMA reduces
 (`heads_split`).
 
-H100 (docs/ops/attention.md, stop 45), kernels alone: 0.93-1.01x cuDNN at d128, 1.02-1.10x at d64, 1.04x and 1.16x at
-the Llama-3-8B and 3.2-1B shapes (GQA 32/8, 2048 tokens, causal). Stop 44's step with queries as rows (P and dS
-through shared memory, SS wgmmas for dV and dK) measured 0.92-0.95x this one at d128 and 0.84-0.85x at d64 without the
-mask; stop 42's fused step with keys as rows but dQ by `red.global.add` from registers and lse / delta held in
-registers 0.81-0.95x the Triton dQ kernel's backward.
+H100 (docs/ops/attention.md, stop 46; the backward as a whole, preprocess and dQ's cast included), kernels alone:
+0.94-1.02x cuDNN at d128 (0.85x in one noisy figure), 1.05-1.12x at d64, 1.13x and 1.21x at the Llama-3-8B and 3.2-1B
+shapes (GQA 32/8, 2048 tokens, causal). Stop 44's step with queries as rows (P and dS through shared memory, SS wgmmas
+for dV and dK) measured 0.92-0.95x this one at d128 and 0.84-0.85x at d64 without the mask; stop 42's fused step with
+keys as rows but dQ by `red.global.add` from registers and lse / delta held in registers 0.81-0.95x the Triton dQ
+kernel's backward.
 
 Scope (`supports`): as the forward's (sm_90, bf16/fp16, head_dim 64 or 128, no window, softcap or packed
 sequences, TMA-addressable (b, s, h, d) views) plus dO, dK, dV.
@@ -79,8 +80,9 @@ LONGEST_FIRST = True
 SPLIT_WAVES = 2
 # With dQ fused and the causal mask: one loop over a key block's query blocks, the mask applied on every step (the
 # compare and select cost little; all-true past the diagonal), instead of a masked loop and an unmasked one. ptxas
-# (Triton 3.6) spills 68 bytes at d128 instead of 156-180, 172 at d64 instead of 224-244: built in stop 45 after the
-# device time was spent, so off until measured (`benchmarks/attention_vs_cudnn.py --bwd-variants`, `kk-bwd-one-loop`).
+# (Triton 3.6) spills 68 bytes at d128 instead of 156-180, 172 at d64 instead of 224-244. H100, kernels alone (stop
+# 46, benchmarks/experiments/h100/2026-11-27-stop46/1-one-loop): level at d128 (0.99-1.01x), 0.98-1.02x at d64, so
+# off (`benchmarks/attention_vs_cudnn.py --bwd-variants`, `kk-bwd-one-loop`).
 ONE_LOOP = False
 POS_INF = gl.constexpr(float("inf"))
 # Shared layout of a warpgroup's P and dS tiles (queries x 64 keys), read as they are and transposed by wgmma; at d64
