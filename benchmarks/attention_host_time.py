@@ -5,6 +5,7 @@ the kernel-only one when the host cannot keep up. This prints the host microseco
 GPU kept busy: `scripts/host_time.py`'s method) and cProfile's top entries of the Gluon path.
 
     PYTHONPATH=src python benchmarks/attention_host_time.py [--d 128] [--seq 1024] [--causal] [--bwd]
+        [--stages [--trace trace.json]]
 
 `--bwd` times forward + backward (`torch.autograd.grad`) instead, kernelkit as shipped against SDPA (cuDNN), and
 profiles kernelkit's. `--stages` splits a forward + backward into its parts (each timed alone, back to back, the
@@ -133,7 +134,7 @@ def _stages(q, k, v, a) -> int:
         ("hopper_bwd.dq_buffer", lambda: hopper_bwd.dq_buffer(q.shape[0], q.shape[2], q.shape[1], q.shape[-1],
                                                               q.device), 300),
         ("torch.empty(q.shape)", lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device), 300),
-        ("dq.copy_(dq)", lambda: dq.copy_(q), 300),
+        ("dq.copy_(q) (same layout)", lambda: dq.copy_(q), 300),
         ("4 x tma_compatible", lambda: [hopper._tma_ok(t) for t in (q, k, v, o)], 300),
         ("torch.cuda.get_device_capability", lambda: torch.cuda.get_device_capability(q.device), 300),
     ]

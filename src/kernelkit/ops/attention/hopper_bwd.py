@@ -504,8 +504,8 @@ def dkdv_hopper(q, k, v, do, dk, dv, lse2, delta, causal: bool, scale: float, dq
                 stages: int | None = None, dq_acc=None) -> None:
     """dk, dv of attention through attn_bwd_dkdv_hopper_kernel; lse2 / delta from the Triton preprocess kernel,
     (batch, heads_q, seq_q) fp32. With `dq` (q's shape and dtype) the kernel also computes dq, by TMA reduces into a
-    zeroed fp32 buffer (`dq_buffer`; `dq_acc`: one the caller made and zeroed) that `dq_convert_kernel` then casts
-    into `dq`. `supports` checked by the caller."""
+    zeroed fp32 buffer that `dq_convert_kernel` then casts into `dq`: `dq_acc`, `dq_buffer`'s (buffer, descriptor)
+    made and zeroed by the caller, or a zeroed one made here. `supports` checked by the caller."""
     batch, seq_q, hq, d = q.shape
     seq_k, hk = k.shape[1], k.shape[2]
     bm = BLOCK_M_FUSED[d] if dq is not None else BLOCK_M[d]
