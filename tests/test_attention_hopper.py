@@ -7,11 +7,12 @@ import re
 import pytest
 import torch
 
-from kernelkit.ops.attention import attention, forward as fwd_mod, reference
+from kernelkit.ops.attention import attention, backward as bwd_mod, forward as fwd_mod, reference
 from kernelkit.testing import check, compile_check
 
 hopper = pytest.importorskip("kernelkit.ops.attention.hopper")
 hopper_bwd = pytest.importorskip("kernelkit.ops.attention.hopper_bwd")
+gluon_rt = pytest.importorskip("kernelkit.runtime.gluon")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -301,8 +302,6 @@ def test_attention_bwd_routes_supported_calls_to_gluon(monkeypatch):
     # Host logic only: with the kernel and its check faked, an eligible backward launches the Gluon dK / dV kernel and
     # the Triton dQ kernel (never the atomic Triton path, never the Triton dK / dV kernel); with GLUON_FUSED_DQ the
     # Gluon kernel takes dQ too, unless deterministic=True; the switch off goes back to the Triton kernels.
-    from kernelkit.ops.attention import backward as bwd_mod
-
     calls = []
     monkeypatch.setattr(bwd_mod, "interpreting", lambda: False)
     monkeypatch.setattr(bwd_mod, "GLUON", True)
@@ -421,8 +420,6 @@ def test_gpu_gluon_backward_matches_fp64_reference(case, fused_dq, bm128, one_lo
     # bm128: queries per step at head dim 128 with the Triton dQ kernel (dQ fused: BLOCK_M_FUSED, keys as rows);
     # one_loop: `hopper_bwd.ONE_LOOP` (dQ fused with the causal mask: one loop, the mask on every step)
     b, sq, sk, hq, hk, d, dtype, causal = case
-    from kernelkit.ops.attention import backward as bwd_mod
-
     if d != 128 and bm128 != 32:
         pytest.skip("bm128 changes head dim 128 only")
     if one_loop and not causal:
@@ -455,8 +452,6 @@ def test_longest_first_groups_are_whole_and_about_one_wave(n_kv, n_bh, sms, want
 def test_gpu_gluon_backward_longest_first_covers_every_block(fused_dq, sms, monkeypatch):
     # causal key blocks longest first, heads in groups: 2 x 4 heads, 8 key blocks of 128 -> groups of 4 (sms 20:
     # two groups) or of all 8 (one); a block walked twice or never gives wrong dK / dV
-    from kernelkit.ops.attention import backward as bwd_mod
-
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", fused_dq)
     monkeypatch.setattr(hopper_bwd, "LONGEST_FIRST", True)
@@ -471,8 +466,6 @@ def test_gpu_gluon_backward_longest_first_covers_every_block(fused_dq, sms, monk
 def test_gpu_fused_backward_repeated_matches_triton(d, monkeypatch):
     # dQ = dS K reads both warpgroups' K halves while each warpgroup's epilogue overwrites its half with dK: a race
     # shows up now and then, not every call, so the fused backward runs many times against the Triton one
-    from kernelkit.ops.attention import backward as bwd_mod
-
     q, k, v = _qkv(2, 1000, 1000, 8, 2, d, torch.bfloat16)
     do = torch.randn_like(q)
 
@@ -516,8 +509,6 @@ def test_preprocess_zeroes_the_fused_dq_buffer(monkeypatch):
     # The fused backward's fp32 dQ buffer comes from torch.empty and is zeroed by the preprocess kernel (one launch less
     # than a fill): every row a head reads back (below seq_q) must be 0 when the Gluon kernel starts, whatever the
     # memory held; delta and lse2 stay right. The buffer is poisoned here, the Gluon kernel faked (run in the interpreter).
-    from kernelkit.ops.attention import backward as bwd_mod
-
     b, s, hq, hk, d = 2, 70, 3, 1, 64
     seen = {}
     real_buffer = hopper_bwd.dq_buffer
@@ -594,14 +585,11 @@ def test_dkdv_hopper_host_plumbing(waves, monkeypatch):
 
 def test_unvalidated_descriptor_matches_gluons():
     # runtime.gluon.descriptor skips TensorDescriptor's checks (host time), not its fields: the launcher reads the same
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from kernelkit.runtime.gluon import descriptor, smem_layout
-
+    TensorDescriptor = hopper_bwd.TensorDescriptor  # Gluon's host descriptor
     t = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16)
     args = (t, [2, 4, 100, 64], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, 64, 64],
-            smem_layout((1, 1, 64, 64), t.dtype))
-    fast, slow = descriptor(*args), TensorDescriptor(*args)
+            gluon_rt.smem_layout((1, 1, 64, 64), t.dtype))
+    fast, slow = gluon_rt.descriptor(*args), TensorDescriptor(*args)
     assert type(fast) is TensorDescriptor and vars(fast) == vars(slow)
     assert vars(hopper._desc(t, 64)) == vars(slow)
 
@@ -624,8 +612,6 @@ def test_heads_split_fills_the_waves_with_a_divisor(group, programs, sms, want, 
 def test_gpu_gqa_split_backward_matches_fp64_reference(d, causal, waves, monkeypatch):
     # a GQA group of 4 query heads split over 4 programs per key block (dK / dV added into fp32 buffers by TMA
     # reduces) or not split; seq 1000: a ragged last key block; both must match the float64 reference
-    from kernelkit.ops.attention import backward as bwd_mod
-
     monkeypatch.setattr(bwd_mod, "GLUON", True)
     monkeypatch.setattr(bwd_mod, "GLUON_FUSED_DQ", True)
     monkeypatch.setattr(hopper_bwd, "SPLIT_WAVES", waves)

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kernelkit.patch import choose, modules, patch  # noqa: E402
+from kernelkit.patch import attention as patch_attention, choose, modules, patch  # noqa: E402
 from kernelkit.runtime import interpreting  # noqa: E402
 from tests.test_patch import batch, tiny_model  # noqa: E402
 
@@ -248,8 +248,6 @@ def test_every_trial_runs(family, monkeypatch):
 def test_attention_is_timed_in_flight(monkeypatch):
     """The attention trial times patch.attention.IN_FLIGHT calls back to back per sample (a step's host runs ahead of
     the GPU: a call costs the longer of its host and GPU times); the other switches' trials one at a time."""
-    from kernelkit.patch import attention as patch_attention
-
     seen, kind = [], []
     real_choice = choose._measure_choice
 

@@ -38,10 +38,10 @@ SWITCHES = {s.name: s for s in (
            "`0`: attention's forward on Hopper uses the Triton kernel instead of the Gluon warp-specialized one"),
     Switch("KERNELKIT_ATTENTION_GLUON_BWD", "auto", ("auto", "0", "1"), "import",
            "attention's backward on Hopper through the Gluon warp-specialized kernel (dQ fused by TMA reduces): "
-           "`auto` at head dims 64 and 128 (on the H100 1.02-1.10x cuDNN's backward at d64, 0.93-1.01x at d128, "
-           "kernels alone; with `deterministic=True`, dQ from the Triton kernel: at 128, and at 64 without the "
-           "causal mask from 4k tokens), `1` everywhere it applies, `0` never (the Triton kernels; "
-           "docs/ops/attention.md, stop 45)"),
+           "`auto` at head dims 64 and 128 (on the H100 1.05-1.12x cuDNN's backward at d64, 0.94-1.02x at d128, "
+           "kernels alone, stop 46; with `deterministic=True`, dQ from the Triton kernel: at 128, and at 64 without "
+           "the causal mask from 4k tokens), `1` everywhere it applies, `0` never (the Triton kernels; "
+           "docs/ops/attention.md)"),
     Switch("KERNELKIT_MOE_WGRAD", "grouped_mm", ("grouped_mm", "triton"), "import",
            "MoE bf16 weight gradients: torch's grouped GEMM (cuBLAS) or kernelkit's Triton kernel"),
     Switch("KERNELKIT_MOE_KEEP_SAVED", "0", ("0", "1"), "import",
